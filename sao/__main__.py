@@ -1,0 +1,3 @@
+from sao.cli import main
+
+main()

@@ -1,0 +1,40 @@
+"""`sao`: the one command-line entry point, one subcommand per service.
+
+Each subcommand names a module with a config dataclass and a `run(cfg)` loop; modules are imported
+only when their subcommand runs, so `sao broker` does not pay for importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+
+from schemas.config import parse
+
+# subcommand -> (module, config class, one-line help)
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "broker": ("sao.broker", "BrokerConfig", "run the embedded Apache Kafka broker (KRaft) on loopback"),
+    "demo": ("sao.demo", "DemoConfig", "broker + topics + a visible produce -> consume round trip"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: sao <command> [--help] [flags]", "", "commands:"]
+    lines += [f"  {name:<10} {help_}" for name, (_, _, help_) in COMMANDS.items()]
+    lines += ["", "Every flag can also be set as an SAO_* environment variable (see README)."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in COMMANDS:
+        print(usage(), file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
+        raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
+    module_name, config_name, help_ = COMMANDS[argv[0]]
+    module = importlib.import_module(module_name)
+    cfg = parse(getattr(module, config_name), argv[1:], description=module.__doc__ or help_)
+    logging.basicConfig(level=os.environ.get("SAO_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    module.run(cfg)

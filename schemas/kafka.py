@@ -1,0 +1,146 @@
+"""Thin factories over confluent-kafka, topic creation, and dead letters.
+
+Part of the contract rather than of any service: every process builds its clients here so that
+delivery guarantees (idempotent acks=all producers, manually stored offsets) are the same everywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from . import topics as T
+from .messages import DeadLetter
+
+log = logging.getLogger(__name__)
+
+_OWN_KEYS = {"SAO_KAFKA_BOOTSTRAP", "SAO_KAFKA_TOPIC_PREFIX"}
+
+
+def passthrough_settings(environ: Mapping[str, str]) -> dict[str, str]:
+    """librdkafka settings from `SAO_KAFKA_*`: `SAO_KAFKA_SASL_MECHANISM=PLAIN` → `sasl.mechanism`."""
+    return {k[len("SAO_KAFKA_"):].lower().replace("_", "."): v
+            for k, v in environ.items() if k.startswith("SAO_KAFKA_") and k not in _OWN_KEYS}
+
+
+@dataclass(kw_only=True)
+class KafkaConfig:
+    bootstrap: str = "127.0.0.1:9092"
+    """Bootstrap servers of the cluster (`SAO_KAFKA_BOOTSTRAP`)."""
+    topic_prefix: str = "sao"
+    """Prefix of every topic name (`sao.prompts`, ...)."""
+    settings: dict[str, str] = field(default_factory=lambda: passthrough_settings(os.environ))
+    """Extra librdkafka settings (SASL/SSL, ...); defaults to every other `SAO_KAFKA_*` variable."""
+
+    def topic(self, t: T.Topic) -> str:
+        return t.name(self.topic_prefix)
+
+    def client(self, **overrides) -> dict:
+        return {"bootstrap.servers": self.bootstrap, **self.settings, **overrides}
+
+
+def make_producer(cfg: KafkaConfig, **overrides) -> Producer:
+    """An idempotent producer: acks=all, ordered retries, lz4."""
+    return Producer(cfg.client(**{
+        "enable.idempotence": True,  # implies acks=all and no reordering on retry
+        "acks": "all",
+        "compression.type": "lz4",
+        "linger.ms": 5,  # small batching window; trajectories arrive one at a time
+        "message.max.bytes": T.MAX_MESSAGE_BYTES + (1 << 20),  # room for the record overhead
+        **overrides,
+    }))
+
+
+def make_consumer(cfg: KafkaConfig, group_id: str, **overrides) -> Consumer:
+    """A consumer with manual commits and group timeouts tuned so a member joins in seconds."""
+    return Consumer(cfg.client(**{
+        "group.id": group_id,
+        "enable.auto.commit": False,
+        "enable.auto.offset.store": False,  # offsets are stored only once a result is durable
+        "auto.offset.reset": "earliest",
+        "session.timeout.ms": 6000,  # librdkafka's 45 s default makes a dead member linger
+        "heartbeat.interval.ms": 500,
+        "max.poll.interval.ms": 600_000,  # a training step or an episode may take minutes
+        "fetch.max.bytes": T.MAX_MESSAGE_BYTES + (1 << 20),
+        "max.partition.fetch.bytes": T.MAX_MESSAGE_BYTES + (1 << 20),
+        **overrides,
+    }))
+
+
+def ensure_topics(cfg: KafkaConfig, wanted: Iterable[T.Topic] = T.ALL, timeout: float = 30.0) -> list[str]:
+    """Create the topics that do not exist yet; returns the names created (empty when all exist)."""
+    admin = AdminClient(cfg.client())
+    existing = set(admin.list_topics(timeout=timeout).topics)
+    new = [NewTopic(cfg.topic(t), num_partitions=t.partitions, replication_factor=-1, config=t.config)
+           for t in wanted if cfg.topic(t) not in existing]
+    created = []
+    for name, fut in (admin.create_topics(new, operation_timeout=timeout).items() if new else ()):
+        try:
+            fut.result(timeout)
+            created.append(name)
+        except KafkaException as e:
+            if e.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:  # another process won the race
+                raise
+    _await_topics(admin, created, timeout)
+    return created
+
+
+def _await_topics(admin: AdminClient, names: list[str], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while names:
+        md = admin.list_topics(timeout=timeout).topics
+        if all(n in md and md[n].error is None and md[n].partitions for n in names):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"topics {names} not visible after {timeout}s")
+        time.sleep(0.1)
+
+
+def wait_for_broker(bootstrap: str, timeout: float = 60.0, settings: Mapping[str, str] | None = None) -> None:
+    """Block until the cluster answers a metadata request."""
+    # log_level 0: "connection refused" while the broker boots is expected, not worth a line
+    admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 0, **(settings or {})})
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if admin.list_topics(timeout=2).brokers:
+                return
+        except KafkaException:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no Kafka broker answered at {bootstrap} within {timeout}s")
+        time.sleep(0.2)
+
+
+def produce(producer: Producer, topic: str, value: bytes, key: bytes | None = None,
+            on_delivery: Callable | None = None) -> None:
+    """Produce without ever dropping: a full local queue is drained by serving callbacks, then retried."""
+    while True:
+        try:
+            producer.produce(topic, value, key, on_delivery=on_delivery)
+            break
+        except BufferError:
+            producer.poll(0.1)
+    producer.poll(0)
+
+
+def dead_letter(producer: Producer, cfg: KafkaConfig, msg: Message, error: Exception | str) -> None:
+    """Publish an undecodable or invalid message to `sao.dlq` with its bytes, reason and origin.
+
+    Returns at once; the caller stores the message's offset and continues.
+    """
+    log.warning("dead letter from %s[%d]@%d: %s", msg.topic(), msg.partition(), msg.offset(), error)
+    dl = DeadLetter(source_topic=msg.topic(), partition=msg.partition(), offset=msg.offset(),
+                    error=str(error), payload=msg.value() or b"")
+    produce(producer, cfg.topic(T.DLQ), dl.encode(), key=msg.key(), on_delivery=_log_failure)
+
+
+def _log_failure(err: KafkaError | None, msg: Message) -> None:
+    if err is not None:
+        log.error("delivery to %s failed: %s", msg.topic(), err)

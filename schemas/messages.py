@@ -1,0 +1,397 @@
+"""The wire contract: the five message kinds of ARCHITECTURE.md and their MessagePack codec.
+
+Every message is a MessagePack map carrying `v` (schema version) and `kind`. Per-token arrays
+travel as raw little-endian bytes whose dtype the schema fixes, and decode into numpy views over
+those bytes (no Python lists on the hot path). Decoding is strict and bounded: anything unexpected
+raises `SchemaError` naming the offending field. Nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgpack
+import numpy as np
+
+SCHEMA_VERSION = 1
+
+# Per-token arrays and their fixed little-endian dtypes.
+TOKEN_ARRAYS: dict[str, np.dtype] = {
+    "tokens": np.dtype("<i4"),
+    "action_mask": np.dtype("u1"),
+    "rollout_logprobs": np.dtype("<f4"),
+    "versions": np.dtype("<i4"),
+}
+
+
+class SchemaError(ValueError):
+    """The one error type decoding and validation raise; `field` names what was wrong."""
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+        self.problem = problem
+
+
+@dataclass(frozen=True, kw_only=True)
+class Limits:
+    """Bounds on what a decoder accepts, so a few-byte message can never allocate gigabytes."""
+
+    max_message_bytes: int = 64 << 20
+    """Largest encoded message."""
+    max_tokens: int = 1 << 20
+    """Longest trajectory in tokens."""
+    max_str_bytes: int = 1 << 16
+    """Longest string field (ids, errors, uris)."""
+    max_map_entries: int = 256
+    """Most entries in a free-form map (`task`, `timing`, `meta`)."""
+
+
+DEFAULT_LIMITS = Limits()
+
+
+def _now() -> float:
+    return time.time()
+
+
+# ---------------------------------------------------------------------------- field readers
+# Each reader takes the decoded map and a field name, and returns the value or raises SchemaError.
+
+
+def _req(m: dict, name: str) -> Any:
+    if name not in m:
+        raise SchemaError(name, "missing field")
+    return m[name]
+
+
+def _str(m: dict, name: str, limits: Limits) -> str:
+    v = _req(m, name)
+    if not isinstance(v, str):
+        raise SchemaError(name, f"expected str, got {type(v).__name__}")
+    if len(v) > limits.max_str_bytes:
+        raise SchemaError(name, f"string longer than {limits.max_str_bytes}")
+    return v
+
+
+def _int(m: dict, name: str, lo: int | None = None) -> int:
+    v = _req(m, name)
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise SchemaError(name, f"expected int, got {type(v).__name__}")
+    if lo is not None and v < lo:
+        raise SchemaError(name, f"must be >= {lo}, got {v}")
+    return v
+
+
+def _float(m: dict, name: str, *, nullable: bool = False, finite: bool = True) -> float | None:
+    v = _req(m, name)
+    if v is None and nullable:
+        return None
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        raise SchemaError(name, f"expected float, got {type(v).__name__}")
+    v = float(v)
+    if finite and not math.isfinite(v):
+        raise SchemaError(name, f"must be finite, got {v}")
+    return v
+
+
+def _map(m: dict, name: str, limits: Limits) -> dict:
+    v = _req(m, name)
+    if not isinstance(v, dict):
+        raise SchemaError(name, f"expected map, got {type(v).__name__}")
+    if len(v) > limits.max_map_entries:
+        raise SchemaError(name, f"more than {limits.max_map_entries} entries")
+    for k in v:
+        if not isinstance(k, str):
+            raise SchemaError(name, "map keys must be str")
+    return v
+
+
+def _bin(m: dict, name: str, limits: Limits) -> bytes:
+    v = _req(m, name)
+    if not isinstance(v, bytes):
+        raise SchemaError(name, f"expected bytes, got {type(v).__name__}")
+    return v
+
+
+def _array(m: dict, name: str, limits: Limits) -> np.ndarray:
+    raw = _bin(m, name, limits)
+    dtype = TOKEN_ARRAYS[name]
+    if len(raw) % dtype.itemsize:
+        raise SchemaError(name, f"{len(raw)} bytes is not a whole number of {dtype} items")
+    n = len(raw) // dtype.itemsize
+    if n > limits.max_tokens:
+        raise SchemaError(name, f"{n} tokens exceeds the limit of {limits.max_tokens}")
+    return np.frombuffer(raw, dtype=dtype)  # a read-only view: no copy
+
+
+def _as_le(a: np.ndarray, name: str) -> np.ndarray:
+    a = np.asarray(a)
+    dtype = TOKEN_ARRAYS[name]
+    if a.ndim != 1:
+        raise SchemaError(name, f"expected a 1-D array, got shape {a.shape}")
+    if a.dtype != dtype:
+        if a.size and not np.can_cast(a.dtype, dtype, casting="same_kind"):
+            raise SchemaError(name, f"cannot store {a.dtype} as {dtype}")
+        a = a.astype(dtype)
+    return a
+
+
+# ---------------------------------------------------------------------------- messages
+
+
+class _Message:
+    kind: ClassVar[str]
+
+    def _fields(self) -> dict:
+        raise NotImplementedError
+
+    def encode(self) -> bytes:
+        body = {"v": SCHEMA_VERSION, "kind": self.kind, **self._fields()}
+        return msgpack.packb(body, use_bin_type=True)
+
+    @classmethod
+    def decode(cls, data: bytes, limits: Limits = DEFAULT_LIMITS):
+        msg = decode(data, limits)
+        if not isinstance(msg, cls):
+            raise SchemaError("kind", f"expected {cls.kind!r}, got {msg.kind!r}")
+        return msg
+
+
+@dataclass(kw_only=True, eq=False)
+class Prompt(_Message):
+    """A task for a producer; `task` is the environment's own map."""
+
+    kind: ClassVar[str] = "prompt"
+    id: str
+    env: str
+    task: dict = field(default_factory=dict)
+    created_at: float = field(default_factory=_now)
+    attempt: int = 0
+
+    @property
+    def key(self) -> bytes:
+        return self.id.encode()
+
+    def _fields(self) -> dict:
+        return {"id": self.id, "env": self.env, "task": self.task,
+                "created_at": float(self.created_at), "attempt": self.attempt}
+
+    @classmethod
+    def _from_map(cls, m: dict, limits: Limits) -> Prompt:
+        return cls(id=_str(m, "id", limits), env=_str(m, "env", limits), task=_map(m, "task", limits),
+                   created_at=_float(m, "created_at"), attempt=_int(m, "attempt", lo=0))
+
+
+@dataclass(kw_only=True, eq=False)
+class Trajectory(_Message):
+    """One finished episode with the rollout engine's per-token log-probs (SAO.md §2).
+
+    `versions` holds the weight version that sampled each action token and -1 elsewhere;
+    `reward` is None while a live reward stream has yet to score it.
+    """
+
+    kind: ClassVar[str] = "trajectory"
+    id: str
+    prompt_id: str
+    env: str
+    producer_id: str
+    tokens: np.ndarray  # (T,) int32
+    action_mask: np.ndarray  # (T,) uint8, 1 where the policy sampled the token
+    rollout_logprobs: np.ndarray  # (T,) float32, finite on action tokens
+    versions: np.ndarray  # (T,) int32, -1 off actions
+    prompt_len: int
+    reward: float | None = None
+    finish_reason: str = "stop"
+    num_turns: int = 1
+    timing: dict = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        for name in TOKEN_ARRAYS:
+            setattr(self, name, _as_le(getattr(self, name), name))
+
+    @property
+    def key(self) -> bytes:
+        return self.id.encode()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def min_version(self) -> int:
+        """Oldest weight version that sampled any action token (SAO.md §6); -1 if no actions."""
+        acted = self.versions[self.action_mask.astype(bool)]
+        return int(acted.min()) if acted.size else -1
+
+    def _fields(self) -> dict:
+        return {"id": self.id, "prompt_id": self.prompt_id, "env": self.env,
+                "producer_id": self.producer_id,
+                **{name: getattr(self, name).tobytes() for name in TOKEN_ARRAYS},
+                "prompt_len": self.prompt_len,
+                "reward": None if self.reward is None else float(self.reward),
+                "finish_reason": self.finish_reason, "num_turns": self.num_turns,
+                "timing": self.timing, "meta": self.meta}
+
+    @classmethod
+    def _from_map(cls, m: dict, limits: Limits) -> Trajectory:
+        arrays = {name: _array(m, name, limits) for name in TOKEN_ARRAYS}
+        n = len(arrays["tokens"])
+        for name, a in arrays.items():
+            if len(a) != n:
+                raise SchemaError(name, f"length {len(a)} differs from tokens' {n}")
+        prompt_len = _int(m, "prompt_len", lo=0)
+        if prompt_len > n:
+            raise SchemaError("prompt_len", f"{prompt_len} exceeds the sequence length {n}")
+        mask = arrays["action_mask"]
+        if mask.size and mask.max() > 1:
+            raise SchemaError("action_mask", "values must be 0 or 1")
+        acted = mask.astype(bool)
+        if acted[:prompt_len].any():
+            raise SchemaError("action_mask", "action token inside the prompt")
+        if not np.isfinite(arrays["rollout_logprobs"][acted]).all():
+            raise SchemaError("rollout_logprobs", "non-finite log-prob on an action token")
+        if (arrays["rollout_logprobs"][acted] > 0).any():
+            raise SchemaError("rollout_logprobs", "positive log-prob on an action token")
+        versions = arrays["versions"]
+        if (versions[acted] < 0).any():
+            raise SchemaError("versions", "negative version on an action token")
+        if (versions[~acted] != -1).any():
+            raise SchemaError("versions", "must be -1 off action tokens")
+        return cls(id=_str(m, "id", limits), prompt_id=_str(m, "prompt_id", limits),
+                   env=_str(m, "env", limits), producer_id=_str(m, "producer_id", limits),
+                   **arrays, prompt_len=prompt_len,
+                   reward=_float(m, "reward", nullable=True),
+                   finish_reason=_str(m, "finish_reason", limits),
+                   num_turns=_int(m, "num_turns", lo=0),
+                   timing=_map(m, "timing", limits), meta=_map(m, "meta", limits))
+
+
+@dataclass(kw_only=True, eq=False)
+class Reward(_Message):
+    """A live reward for a trajectory waiting on `sao.trajectories.pending`."""
+
+    kind: ClassVar[str] = "reward"
+    trajectory_id: str
+    reward: float
+    source: str = "cli"
+    criterion: str = ""
+    created_at: float = field(default_factory=_now)
+
+    @property
+    def key(self) -> bytes:
+        return self.trajectory_id.encode()
+
+    def _fields(self) -> dict:
+        return {"trajectory_id": self.trajectory_id, "reward": float(self.reward),
+                "source": self.source, "criterion": self.criterion,
+                "created_at": float(self.created_at)}
+
+    @classmethod
+    def _from_map(cls, m: dict, limits: Limits) -> Reward:
+        return cls(trajectory_id=_str(m, "trajectory_id", limits), reward=_float(m, "reward"),
+                   source=_str(m, "source", limits), criterion=_str(m, "criterion", limits),
+                   created_at=_float(m, "created_at"))
+
+
+@dataclass(kw_only=True, eq=False)
+class Weights(_Message):
+    """Announcement of a new policy version; the bytes live at `uri`."""
+
+    kind: ClassVar[str] = "weights"
+    version: int
+    step: int
+    uri: str
+    sha256: str
+    num_bytes: int
+    dtype: str = "float32"
+    format: str = "safetensors"
+    created_at: float = field(default_factory=_now)
+
+    @property
+    def key(self) -> bytes:
+        return str(self.version).encode()
+
+    def _fields(self) -> dict:
+        return {"version": self.version, "step": self.step, "created_at": float(self.created_at),
+                "uri": self.uri, "format": self.format, "sha256": self.sha256,
+                "num_bytes": self.num_bytes, "dtype": self.dtype}
+
+    @classmethod
+    def _from_map(cls, m: dict, limits: Limits) -> Weights:
+        sha = _str(m, "sha256", limits)
+        if len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
+            raise SchemaError("sha256", "expected 64 lowercase hex digits")
+        fmt = _str(m, "format", limits)
+        if fmt != "safetensors":
+            raise SchemaError("format", f"unsupported weight format {fmt!r}")
+        return cls(version=_int(m, "version", lo=0), step=_int(m, "step", lo=0),
+                   uri=_str(m, "uri", limits), sha256=sha, num_bytes=_int(m, "num_bytes", lo=0),
+                   dtype=_str(m, "dtype", limits), format=fmt, created_at=_float(m, "created_at"))
+
+
+@dataclass(kw_only=True, eq=False)
+class DeadLetter(_Message):
+    """A message some service could not use, kept with its original bytes and where it came from."""
+
+    kind: ClassVar[str] = "dead_letter"
+    source_topic: str
+    partition: int
+    offset: int
+    error: str
+    payload: bytes
+    created_at: float = field(default_factory=_now)
+
+    def _fields(self) -> dict:
+        return {"source_topic": self.source_topic, "partition": self.partition,
+                "offset": self.offset, "error": self.error, "payload": self.payload,
+                "created_at": float(self.created_at)}
+
+    @classmethod
+    def _from_map(cls, m: dict, limits: Limits) -> DeadLetter:
+        return cls(source_topic=_str(m, "source_topic", limits),
+                   partition=_int(m, "partition", lo=-1), offset=_int(m, "offset", lo=-1001),
+                   error=_str(m, "error", limits), payload=_bin(m, "payload", limits),
+                   created_at=_float(m, "created_at"))
+
+
+KINDS: dict[str, type[_Message]] = {c.kind: c for c in (Prompt, Trajectory, Reward, Weights, DeadLetter)}
+_FIELD_NAMES = {c: {"v", "kind", *(f.name for f in dataclasses.fields(c))} for c in KINDS.values()}
+Message = Prompt | Trajectory | Reward | Weights | DeadLetter
+
+
+def decode(data: bytes, limits: Limits = DEFAULT_LIMITS) -> Message:
+    """Decode any message kind, strictly; raises SchemaError naming the field at fault."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise SchemaError("<message>", f"expected bytes, got {type(data).__name__}")
+    if len(data) > limits.max_message_bytes:
+        raise SchemaError("<message>", f"{len(data)} bytes exceeds the limit of {limits.max_message_bytes}")
+    try:
+        # Every length limit is bounded by the payload itself, so a header that claims a huge
+        # container or blob fails before anything is allocated.
+        m = msgpack.unpackb(
+            data, raw=False, use_list=True, strict_map_key=True,
+            max_str_len=min(len(data), limits.max_str_bytes),
+            max_bin_len=len(data), max_array_len=len(data),
+            max_map_len=min(len(data), limits.max_map_entries), max_ext_len=0)
+    except msgpack.ExtraData:
+        raise SchemaError("<message>", "trailing bytes after the message") from None
+    except (ValueError, TypeError, msgpack.UnpackException, RecursionError) as e:
+        raise SchemaError("<message>", f"not valid MessagePack ({type(e).__name__}: {e})") from None
+    if not isinstance(m, dict):
+        raise SchemaError("<message>", f"expected a map, got {type(m).__name__}")
+    v = _int(m, "v")
+    if v != SCHEMA_VERSION:
+        raise SchemaError("v", f"unknown schema version {v} (this build reads {SCHEMA_VERSION})")
+    kind = _req(m, "kind")
+    if kind not in KINDS:
+        raise SchemaError("kind", f"unknown message kind {kind!r}")
+    cls = KINDS[kind]
+    unknown = m.keys() - _FIELD_NAMES[cls]
+    if unknown:
+        raise SchemaError(sorted(unknown)[0], f"unknown field in a {kind!r} message")
+    return cls._from_map(m, limits)

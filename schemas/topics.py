@@ -1,0 +1,30 @@
+"""Every topic of the system, its partitions and its broker-side configuration (ARCHITECTURE.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_MESSAGE_BYTES = 64 << 20  # matches schemas.messages.Limits.max_message_bytes
+
+
+@dataclass(frozen=True)
+class Topic:
+    suffix: str
+    partitions: int
+    config: dict[str, str] = field(default_factory=dict)
+
+    def name(self, prefix: str = "sao") -> str:
+        return f"{prefix}.{self.suffix}"
+
+
+_BIG = {"max.message.bytes": str(MAX_MESSAGE_BYTES)}
+
+PROMPTS = Topic("prompts", 12)
+TRAJECTORIES = Topic("trajectories", 12, _BIG)
+PENDING = Topic("trajectories.pending", 12, _BIG)
+REWARDS = Topic("rewards", 12)
+# One partition keeps announcements ordered; producers read all of it with no shared group.
+WEIGHTS = Topic("weights", 1, {"retention.ms": str(7 * 24 * 3600 * 1000)})
+DLQ = Topic("dlq", 1, _BIG)
+
+ALL = (PROMPTS, TRAJECTORIES, PENDING, REWARDS, WEIGHTS, DLQ)
