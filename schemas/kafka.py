@@ -16,7 +16,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Produ
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from . import topics as T
-from .messages import DeadLetter
+from .messages import DEFAULT_LIMITS, DeadLetter, Limits, SchemaError, decode
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +139,19 @@ def dead_letter(producer: Producer, cfg: KafkaConfig, msg: Message, error: Excep
     dl = DeadLetter(source_topic=msg.topic(), partition=msg.partition(), offset=msg.offset(),
                     error=str(error), payload=msg.value() or b"")
     produce(producer, cfg.topic(T.DLQ), dl.encode(), key=msg.key(), on_delivery=_log_failure)
+
+
+def decode_or_dead_letter(producer: Producer, cfg: KafkaConfig, msg: Message, expect: type | None = None,
+                          limits: Limits = DEFAULT_LIMITS):
+    """The decoded message, or None after sending it to `sao.dlq` (undecodable or the wrong kind)."""
+    try:
+        decoded = decode(msg.value() or b"", limits)
+        if expect is not None and not isinstance(decoded, expect):
+            raise SchemaError("kind", f"expected {expect.kind!r} on {msg.topic()}, got {decoded.kind!r}")
+        return decoded
+    except SchemaError as e:
+        dead_letter(producer, cfg, msg, e)
+        return None
 
 
 def _log_failure(err: KafkaError | None, msg: Message) -> None:

@@ -1,0 +1,115 @@
+"""Kafka plumbing against the real embedded broker: topics, bulk round trip, dead letters."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import numpy as np
+
+from sao.demo import random_trajectory
+from schemas import topics as T
+from schemas.kafka import (KafkaConfig, decode_or_dead_letter, ensure_topics, make_consumer,
+                           make_producer, passthrough_settings, produce)
+from schemas.messages import DeadLetter, Trajectory, decode
+
+
+def _drain(cfg: KafkaConfig, topic: str, want: int, timeout: float = 120.0) -> list:
+    consumer = make_consumer(cfg, f"test-{uuid.uuid4().hex[:8]}")
+    consumer.subscribe([topic])
+    got = []
+    try:
+        deadline = time.monotonic() + timeout
+        while len(got) < want and time.monotonic() < deadline:
+            msg = consumer.poll(0.5)
+            if msg is None:
+                continue
+            assert msg.error() is None, msg.error()
+            got.append(msg)
+    finally:
+        consumer.close()
+    return got
+
+
+def test_ensure_topics_twice_is_a_no_op_the_second_time(kafka_bootstrap):
+    cfg = KafkaConfig(bootstrap=kafka_bootstrap, topic_prefix=f"t{uuid.uuid4().hex[:8]}")
+    created = ensure_topics(cfg)
+    assert sorted(created) == sorted(cfg.topic(t) for t in T.ALL)
+    assert ensure_topics(cfg) == []
+    from confluent_kafka.admin import AdminClient
+    md = AdminClient(cfg.client()).list_topics(timeout=10).topics
+    for t in T.ALL:
+        assert len(md[cfg.topic(t)].partitions) == t.partitions
+
+
+def test_a_thousand_trajectories_of_1_to_32k_tokens_come_back_byte_identical(kafka_cfg):
+    rng = np.random.default_rng(7)
+    # log-uniform lengths cover both ends of 1..32k without shipping 200 MB through 2 cores
+    lengths = np.exp(rng.uniform(0, np.log(32768), 1000)).astype(int).clip(1, 32768)
+    lengths[:2] = [1, 32768]
+    sent = {}
+    producer = make_producer(kafka_cfg)
+    topic = kafka_cfg.topic(T.TRAJECTORIES)
+    for i, n in enumerate(lengths):
+        data = random_trajectory(rng, int(n), i).encode()
+        sent[f"traj-{i}"] = data
+        produce(producer, topic, data, key=f"traj-{i}".encode())
+    assert producer.flush(60) == 0
+    got = _drain(kafka_cfg, topic, len(sent))
+    assert len(got) == len(sent)
+    for msg in got:
+        traj = Trajectory.decode(msg.value())
+        assert sent[traj.id] == msg.value()
+        assert traj.num_tokens == lengths[int(traj.id.split("-")[1])]
+
+
+def test_invalid_bytes_go_to_the_dlq_with_their_offset_and_consumption_continues(kafka_cfg):
+    rng = np.random.default_rng(3)
+    topic = kafka_cfg.topic(T.TRAJECTORIES)
+    producer = make_producer(kafka_cfg)
+    payloads = [random_trajectory(rng, 50, 0).encode(), b"\x93not a trajectory",
+                random_trajectory(rng, 60, 1).encode(), T.DLQ.suffix.encode(),
+                random_trajectory(rng, 70, 2).encode()]
+    for p in payloads:  # one key: one partition, so offsets are 0..4 in order
+        produce(producer, topic, p, key=b"same-partition")
+    assert producer.flush(30) == 0
+
+    good, dlq_producer = [], make_producer(kafka_cfg)
+    for msg in _drain(kafka_cfg, topic, len(payloads)):
+        traj = decode_or_dead_letter(dlq_producer, kafka_cfg, msg, expect=Trajectory)
+        if traj is not None:
+            good.append((msg.offset(), traj.num_tokens))
+    assert dlq_producer.flush(30) == 0
+    assert [n for _, n in good] == [50, 60, 70]
+
+    letters = [DeadLetter.decode(m.value()) for m in _drain(kafka_cfg, kafka_cfg.topic(T.DLQ), 2)]
+    bad = {p for p in payloads if p in (b"\x93not a trajectory", b"dlq")}
+    assert {dl.payload for dl in letters} == bad
+    offsets = {dl.payload: dl.offset for dl in letters}
+    assert offsets[b"\x93not a trajectory"] == 1 and offsets[b"dlq"] == 3
+    assert all(dl.source_topic == topic and dl.error for dl in letters)
+
+
+def test_a_message_of_the_wrong_kind_is_a_dead_letter(kafka_cfg):
+    topic = kafka_cfg.topic(T.TRAJECTORIES)
+    producer = make_producer(kafka_cfg)
+    from schemas.messages import Prompt
+    produce(producer, topic, Prompt(id="p", env="math").encode())
+    assert producer.flush(30) == 0
+    (msg,) = _drain(kafka_cfg, topic, 1)
+    assert decode_or_dead_letter(producer, kafka_cfg, msg, expect=Trajectory) is None
+    assert producer.flush(30) == 0
+    (dl,) = _drain(kafka_cfg, kafka_cfg.topic(T.DLQ), 1)
+    assert "kind" in decode(dl.value()).error
+
+
+def test_sao_kafka_variables_pass_through_to_librdkafka():
+    env = {"SAO_KAFKA_BOOTSTRAP": "b:9092", "SAO_KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
+           "SAO_KAFKA_SASL_MECHANISM": "PLAIN", "SAO_KAFKA_SASL_USERNAME": "u", "SAO_OTHER": "x"}
+    assert passthrough_settings(env) == {"security.protocol": "SASL_SSL", "sasl.mechanism": "PLAIN",
+                                         "sasl.username": "u"}
+    from schemas.config import from_env
+    cfg = from_env(KafkaConfig, env, prefix="SAO_KAFKA_")
+    assert cfg.bootstrap == "b:9092"
+    client = KafkaConfig(bootstrap="b:9092", settings=passthrough_settings(env)).client()
+    assert client["sasl.mechanism"] == "PLAIN" and client["bootstrap.servers"] == "b:9092"

@@ -1,0 +1,236 @@
+"""The wire contract: round trips of every kind, and one test per documented invalid case."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from schemas.messages import (
+    SCHEMA_VERSION, TOKEN_ARRAYS, DeadLetter, Limits, Prompt, Reward, SchemaError, Trajectory, Weights, decode)
+
+text = st.text(max_size=40)
+finite = st.floats(allow_nan=False, allow_infinity=False, width=64)
+scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**63 - 1), finite, text)
+small_map = st.dictionaries(text, scalars, max_size=5)
+
+
+@st.composite
+def trajectories(draw) -> Trajectory:
+    n = draw(st.integers(0, 300))
+    prompt_len = draw(st.integers(0, n))
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    mask = np.zeros(n, np.uint8)
+    mask[prompt_len:] = rng.integers(0, 2, n - prompt_len)
+    return Trajectory(
+        id=draw(text), prompt_id=draw(text), env=draw(text), producer_id=draw(text),
+        tokens=rng.integers(-(2**31), 2**31 - 1, n, dtype=np.int32), action_mask=mask,
+        # off-action log-probs are free: observations may carry anything, NaN included
+        rollout_logprobs=np.where(mask == 1, -rng.exponential(2.0, n), rng.normal(size=n)).astype(np.float32),
+        versions=np.where(mask == 1, rng.integers(0, 1000, n), -1).astype(np.int32),
+        prompt_len=prompt_len, reward=draw(st.one_of(st.none(), finite)),
+        finish_reason=draw(st.sampled_from(["stop", "length", "abort"])),
+        num_turns=draw(st.integers(0, 50)),
+        timing=draw(st.dictionaries(text, finite, max_size=4)), meta=draw(small_map))
+
+
+messages = st.one_of(
+    trajectories(),
+    st.builds(Prompt, id=text, env=text, task=small_map, created_at=finite, attempt=st.integers(0, 10**6)),
+    st.builds(Reward, trajectory_id=text, reward=finite, source=text, criterion=text, created_at=finite),
+    st.builds(Weights, version=st.integers(0, 2**40), step=st.integers(0, 2**40), uri=text,
+              sha256=st.text("0123456789abcdef", min_size=64, max_size=64),
+              num_bytes=st.integers(0, 2**50), dtype=st.sampled_from(["float32", "bfloat16"]),
+              created_at=finite),
+    st.builds(DeadLetter, source_topic=text, partition=st.integers(-1, 1000),
+              offset=st.integers(-1, 2**62), error=text, payload=st.binary(max_size=200), created_at=finite),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(messages)
+def test_every_kind_round_trips_byte_identical(msg):
+    data = msg.encode()
+    back = decode(data)
+    assert type(back) is type(msg)
+    assert back.encode() == data
+
+
+def test_token_arrays_decode_as_views_over_the_payload():
+    traj = _traj()
+    back = Trajectory.decode(traj.encode())
+    for name in ("tokens", "action_mask", "rollout_logprobs", "versions"):
+        arr = getattr(back, name)
+        assert not arr.flags.owndata and not arr.flags.writeable, name  # frombuffer views, no copy
+        np.testing.assert_array_equal(arr, getattr(traj, name))
+    assert back.tokens.dtype == np.dtype("<i4") and back.rollout_logprobs.dtype == np.dtype("<f4")
+
+
+def test_min_version_is_the_oldest_on_action_tokens():
+    traj = _traj()
+    traj.versions = np.array([-1, -1, 5, 3, -1, 7], np.int32)
+    assert traj.min_version == 3
+
+
+def test_decode_as_the_wrong_class_names_kind():
+    with pytest.raises(SchemaError) as e:
+        Weights.decode(_traj().encode())
+    assert e.value.field == "kind"
+
+
+# ------------------------------------------------------------------ one test per invalid case
+
+
+def _traj(**overrides) -> Trajectory:
+    base = dict(id="t1", prompt_id="p1", env="toy", producer_id="prod-0",
+                tokens=np.array([1, 2, 3, 4, 5, 6], np.int32),
+                action_mask=np.array([0, 0, 1, 1, 0, 1], np.uint8),
+                rollout_logprobs=np.array([0, 0, -0.5, -1.0, 0, -0.1], np.float32),
+                versions=np.array([-1, -1, 2, 2, -1, 3], np.int32), prompt_len=2, reward=1.0)
+    return Trajectory(**{**base, **overrides})
+
+
+def _raw(msg) -> dict:
+    return msgpack.unpackb(msg.encode(), raw=False)
+
+
+def _field_error(m: dict, limits: Limits = Limits()) -> str:
+    with pytest.raises(SchemaError) as e:
+        decode(msgpack.packb(m, use_bin_type=True), limits)
+    assert e.value.field in str(e.value)
+    return e.value.field
+
+
+def test_unknown_version_names_v():
+    m = _raw(_traj())
+    m["v"] = SCHEMA_VERSION + 1
+    assert _field_error(m) == "v"
+
+
+def test_unknown_kind_names_kind():
+    m = _raw(_traj())
+    m["kind"] = "pickle"
+    assert _field_error(m) == "kind"
+
+
+@pytest.mark.parametrize("name,value", [
+    ("id", 7), ("prompt_len", "2"), ("reward", "high"), ("tokens", [1, 2, 3, 4, 5, 6]),
+    ("timing", [1.0]), ("num_turns", True)])
+def test_wrong_type_names_the_field(name, value):
+    m = _raw(_traj())
+    m[name] = value
+    assert _field_error(m) == name
+
+
+@pytest.mark.parametrize("name", ["id", "tokens", "action_mask", "rollout_logprobs", "versions",
+                                  "prompt_len", "reward", "meta"])
+def test_missing_field_names_it(name):
+    m = _raw(_traj())
+    del m[name]
+    assert _field_error(m) == name
+
+
+def test_unknown_field_names_it():
+    m = _raw(_traj())
+    m["__reduce__"] = b"cos\nsystem\n"
+    assert _field_error(m) == "__reduce__"
+
+
+@pytest.mark.parametrize("name", ["action_mask", "rollout_logprobs", "versions"])
+def test_per_token_arrays_of_different_lengths_name_the_field(name):
+    m = _raw(_traj())
+    m[name] = m[name][: -TOKEN_ARRAYS[name].itemsize]  # one item short
+    assert _field_error(m) == name
+
+
+def test_ragged_byte_count_names_the_field():
+    m = _raw(_traj())
+    m["tokens"] = m["tokens"] + b"\x00"
+    assert _field_error(m) == "tokens"
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_rollout_logprob_on_an_action_token_names_it(bad):
+    lp = np.array([0, 0, -0.5, bad, 0, -0.1], np.float32)
+    assert _field_error(_raw(_traj(rollout_logprobs=lp))) == "rollout_logprobs"
+
+
+def test_non_finite_logprob_off_actions_is_allowed():
+    lp = np.array([np.nan, 0, -0.5, -1.0, np.inf, -0.1], np.float32)
+    assert Trajectory.decode(_traj(rollout_logprobs=lp).encode()).id == "t1"
+
+
+def test_action_token_inside_the_prompt_names_action_mask():
+    mask = np.array([0, 1, 1, 1, 0, 1], np.uint8)
+    versions = np.array([-1, 2, 2, 2, -1, 3], np.int32)
+    assert _field_error(_raw(_traj(action_mask=mask, versions=versions))) == "action_mask"
+
+
+def test_prompt_longer_than_the_sequence_names_prompt_len():
+    m = _raw(_traj())
+    m["prompt_len"] = 7
+    assert _field_error(m) == "prompt_len"
+
+
+def test_non_binary_action_mask_names_it():
+    assert _field_error(_raw(_traj(action_mask=np.array([0, 0, 2, 1, 0, 1], np.uint8)))) == "action_mask"
+
+
+def test_version_must_mark_actions_only():
+    assert _field_error(_raw(_traj(versions=np.array([0, -1, 2, 2, -1, 3], np.int32)))) == "versions"
+    assert _field_error(_raw(_traj(versions=np.array([-1, -1, -1, 2, -1, 3], np.int32)))) == "versions"
+
+
+def test_nan_reward_names_reward():
+    m = _raw(_traj())
+    m["reward"] = float("nan")
+    assert _field_error(m) == "reward"
+
+
+def test_oversized_payload_is_refused_before_parsing():
+    data = _traj().encode()
+    with pytest.raises(SchemaError) as e:
+        decode(data, Limits(max_message_bytes=len(data) - 1))
+    assert e.value.field == "<message>"
+
+
+def test_too_many_tokens_names_tokens():
+    m = _raw(_traj())
+    assert _field_error(m, Limits(max_tokens=5)) == "tokens"
+
+
+def test_huge_declared_length_in_a_few_bytes_allocates_nothing():
+    # bin32 header claiming 4 GiB, then nothing: must fail fast, not allocate
+    with pytest.raises(SchemaError):
+        decode(b"\xc6\xff\xff\xff\xff")
+    # map32 header claiming 4 billion entries
+    with pytest.raises(SchemaError):
+        decode(b"\xdf\xff\xff\xff\xff")
+
+
+def test_oversized_string_names_the_field():
+    m = _raw(_traj())
+    m["producer_id"] = "x" * 200
+    with pytest.raises(SchemaError):
+        decode(msgpack.packb(m, use_bin_type=True), Limits(max_str_bytes=100))
+
+
+def test_trailing_bytes_are_refused():
+    with pytest.raises(SchemaError) as e:
+        decode(_traj().encode() + b"\x00")
+    assert "trailing" in str(e.value)
+
+
+def test_bad_sha256_names_it():
+    w = Weights(version=1, step=1, uri="file:///w", sha256="ab" * 32, num_bytes=1)
+    m = _raw(w)
+    m["sha256"] = "XYZ"
+    assert _field_error(m) == "sha256"
+
+
+def test_not_a_map_is_refused():
+    with pytest.raises(SchemaError):
+        decode(msgpack.packb([1, 2, 3]))

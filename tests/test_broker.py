@@ -1,0 +1,65 @@
+"""The embedded broker: durable across a restart on the same data folder, and `sao broker` runs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from sao.broker import BrokerConfig, EmbeddedBroker, free_port
+from sao.demo import random_trajectory
+from schemas import topics as T
+from schemas.kafka import KafkaConfig, ensure_topics, make_consumer, make_producer, produce, wait_for_broker
+
+
+def test_messages_produced_before_a_restart_are_consumable_after(tmp_path):
+    broker = EmbeddedBroker(BrokerConfig(data_dir=tmp_path / "kafka", port=0))
+    assert broker.kind == "kafka"
+    rng = np.random.default_rng(0)
+    sent = [random_trajectory(rng, 100 + i, i).encode() for i in range(20)]
+    try:
+        broker.start()
+        cfg = KafkaConfig(bootstrap=broker.bootstrap, settings={})
+        ensure_topics(cfg, [T.TRAJECTORIES])
+        producer = make_producer(cfg)
+        for data in sent:
+            produce(producer, cfg.topic(T.TRAJECTORIES), data)
+        assert producer.flush(30) == 0
+        del producer
+        broker.stop()
+        assert broker.proc is None
+
+        broker.start()  # same folder, same port
+        consumer = make_consumer(cfg, "after-restart")
+        consumer.subscribe([cfg.topic(T.TRAJECTORIES)])
+        got, deadline = [], time.monotonic() + 60
+        while len(got) < len(sent) and time.monotonic() < deadline:
+            msg = consumer.poll(0.5)
+            if msg is not None and msg.error() is None:
+                got.append(msg.value())
+        consumer.close()
+        assert sorted(got) == sorted(sent)
+    finally:
+        broker.close()
+
+
+def test_sao_broker_command_serves_and_stops_on_sigterm(tmp_path):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "sao", "broker", "--port", str(port),
+                             "--data-dir", str(tmp_path / "b")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "SAO_LOG_LEVEL": "WARNING"})
+    try:
+        line = proc.stdout.readline()
+        assert f"SAO_KAFKA_BOOTSTRAP=127.0.0.1:{port}" in line, line
+        wait_for_broker(f"127.0.0.1:{port}", timeout=10)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        assert "broker stopped" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
