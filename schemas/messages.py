@@ -231,7 +231,9 @@ class Trajectory(_Message):
     def _fields(self) -> dict:
         return {"id": self.id, "prompt_id": self.prompt_id, "env": self.env,
                 "producer_id": self.producer_id,
-                **{name: getattr(self, name).tobytes() for name in TOKEN_ARRAYS},
+                # byte views, not copies: msgpack packs any buffer as bin
+                **{name: memoryview(np.ascontiguousarray(getattr(self, name))).cast("B")
+                   for name in TOKEN_ARRAYS},
                 "prompt_len": self.prompt_len,
                 "reward": None if self.reward is None else float(self.reward),
                 "finish_reason": self.finish_reason, "num_turns": self.num_turns,
@@ -250,18 +252,17 @@ class Trajectory(_Message):
         mask = arrays["action_mask"]
         if mask.size and mask.max() > 1:
             raise SchemaError("action_mask", "values must be 0 or 1")
-        acted = mask.astype(bool)
+        # Whole-array element-wise checks, a few passes each: boolean indexing would copy, and
+        # this is the decode hot path (bench/codec.py).
+        acted = mask.view(np.bool_)  # zero-copy: the bytes are 0 or 1
         if acted[:prompt_len].any():
             raise SchemaError("action_mask", "action token inside the prompt")
-        if not np.isfinite(arrays["rollout_logprobs"][acted]).all():
+        # acted > finite is True exactly on action tokens with a NaN or infinite log-prob
+        if np.greater(acted, np.isfinite(arrays["rollout_logprobs"])).any():
             raise SchemaError("rollout_logprobs", "non-finite log-prob on an action token")
-        if (arrays["rollout_logprobs"][acted] > 0).any():
-            raise SchemaError("rollout_logprobs", "positive log-prob on an action token")
         versions = arrays["versions"]
-        if (versions[acted] < 0).any():
-            raise SchemaError("versions", "negative version on an action token")
-        if (versions[~acted] != -1).any():
-            raise SchemaError("versions", "must be -1 off action tokens")
+        if versions.size and not (((versions >= 0) == acted).all() and versions.min() >= -1):
+            raise SchemaError("versions", "must be >= 0 on action tokens and -1 elsewhere")
         return cls(id=_str(m, "id", limits), prompt_id=_str(m, "prompt_id", limits),
                    env=_str(m, "env", limits), producer_id=_str(m, "producer_id", limits),
                    **arrays, prompt_len=prompt_len,
