@@ -1,0 +1,109 @@
+"""Policy objectives: DIS, double-sided importance sampling (SAO.md §3), and the PPO clip of `grpo`.
+
+DIS weights each action token by its ratio to the behaviour policy π_rollout (what the rollout
+engine actually ran), and drops, rather than clamps, any token whose ratio leaves the open band
+(1 − ε_low, 1 + ε_high). Deliberately absent:
+- no PPO `min(...)`/clip on top of the mask, and the mask ignores the sign of Â (SAO.md §3);
+- no recomputed π_θold: tracking it is infeasible when weights change mid-trajectory (SAO.md §2);
+- no KL or entropy term here: the update adds them only when their coefficients are non-zero.
+
+`ppo_clip_policy_loss` exists only for the `grpo` baseline (SAO.md §7), whose "old policy" is the
+learner's own weights at batch start.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+LossAgg = Literal["token_mean", "seq_mean_token_mean"]
+
+# ε_low, ε_high of SAO.md §3's presets.
+PRESETS: dict[str, tuple[float, float]] = {"reasoning": (0.3, 5.0), "coding": (0.8, 3.0)}
+
+
+def dis_ratio(logp: Tensor, logp_rollout: Tensor) -> Tensor:
+    """r_t = exp(logπ_θ(a_t|s_t) − logπ_rollout(a_t|s_t)) (SAO.md §3)."""
+    return torch.exp(logp - logp_rollout)
+
+
+def dis_keep(ratio: Tensor, eps_low: float, eps_high: float) -> Tensor:
+    """keep_t = 1 − ε_low < r_t < 1 + ε_high, strict at both ends (SAO.md §3)."""
+    return (ratio > 1.0 - eps_low) & (ratio < 1.0 + eps_high)
+
+
+def aggregate(x: Tensor, action_mask: Tensor, loss_agg: LossAgg) -> Tensor:
+    """token_mean: Σ_bt x / N, N = action tokens in the batch, masked ones included;
+    seq_mean_token_mean: mean_b(Σ_t x_bt / n_b). Off-action entries never count (SAO.md §3)."""
+    x = torch.where(action_mask, x, 0.0)
+    n = action_mask.sum(-1).to(x.dtype)  # (B,)
+    match loss_agg:
+        case "token_mean":
+            return x.sum() / n.sum().clamp(min=1)
+        case "seq_mean_token_mean":
+            return (x.sum(-1) / n.clamp(min=1)).mean()
+    raise ValueError(f"loss_agg={loss_agg!r}: expected 'token_mean' or 'seq_mean_token_mean'")
+
+
+def k3_kl(logp: Tensor, logp_rollout: Tensor) -> Tensor:
+    """k3 estimate of KL(π_rollout ‖ π_θ) per token: r − 1 − log r, r = π_θ/π_rollout."""
+    log_ratio = logp - logp_rollout
+    return torch.exp(log_ratio) - 1.0 - log_ratio
+
+
+@torch.no_grad()
+def ratio_stats(logp: Tensor, logp_rollout: Tensor, action_mask: Tensor,
+                eps_low: float, eps_high: float) -> dict[str, Tensor]:
+    """Health numbers of the ratio to π_rollout over action tokens (SAO.md §3, §8: healthy runs mask
+    roughly 0.04 %–0.6 % of tokens)."""
+    ratio = dis_ratio(logp, logp_rollout)[action_mask]
+    n = max(ratio.numel(), 1)
+    diff = (logp - logp_rollout)[action_mask]
+    return {
+        "kept_frac": dis_keep(ratio, eps_low, eps_high).sum() / n,
+        "masked_low_frac": (ratio <= 1.0 - eps_low).sum() / n,
+        "masked_high_frac": (ratio >= 1.0 + eps_high).sum() / n,
+        "ratio_mean": ratio.mean(),
+        "ratio_max": ratio.max(),
+        "ratio_min": ratio.min(),
+        "abs_logp_diff": diff.abs().mean(),
+        "approx_kl": k3_kl(logp, logp_rollout)[action_mask].mean(),
+    }
+
+
+def dis_policy_loss(logp: Tensor, logp_rollout: Tensor, adv: Tensor, action_mask: Tensor,
+                    eps_low: float, eps_high: float,
+                    loss_agg: LossAgg = "token_mean") -> tuple[Tensor, dict[str, Tensor]]:
+    """loss = −Σ_t stopgrad(keep_t·r_t)·Â_t·logπ_θ(a_t|s_t) / N (SAO.md §3).
+
+    All inputs (B, T); logp carries the graph, the rest are data. A kept token's gradient is
+    r_t·Â_t·∇logπ_θ; a masked token's is exactly zero. Returns (loss, ratio_stats).
+    """
+    # ratio against the behaviour policy
+    ratio = dis_ratio(logp, logp_rollout)
+    # strict double-sided mask; Â's sign plays no part
+    keep = dis_keep(ratio, eps_low, eps_high) & action_mask
+    # detached weight: no gradient flows through the ratio itself
+    w = torch.where(keep, ratio, 0.0).detach()
+    # policy loss; `where` keeps a masked token out even when its logp or ratio is not finite
+    per_token = torch.where(keep, -w * adv * logp, 0.0)
+    loss = aggregate(per_token, action_mask, loss_agg)
+    return loss, ratio_stats(logp, logp_rollout, action_mask, eps_low, eps_high)
+
+
+def ppo_clip_policy_loss(logp: Tensor, logp_old: Tensor, adv: Tensor, action_mask: Tensor,
+                         clip_eps: float, loss_agg: LossAgg = "token_mean") -> tuple[Tensor, dict[str, Tensor]]:
+    """loss = −Σ_t min(r_t·Â_t, clip(r_t, 1 − ε, 1 + ε)·Â_t) / N, r_t = π_θ/π_old (SAO.md §7 `grpo`).
+
+    π_old is the learner's own weights at batch start, not π_rollout: staleness of the rollout
+    goes unnoticed, which is what makes vanilla GRPO fragile when asynchronous.
+    """
+    ratio = torch.exp(logp - logp_old)
+    clipped = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
+    per_token = -torch.min(ratio * adv, clipped * adv)
+    loss = aggregate(per_token, action_mask, loss_agg)
+    with torch.no_grad():
+        clip_frac = ((ratio - clipped).abs() > 0)[action_mask].float().mean()
+    return loss, {"clip_frac": clip_frac}

@@ -1,0 +1,69 @@
+"""Play one environment episode with a generator and return it as a `schemas.Trajectory`.
+
+The sequence is `[prompt, a_0, o_0, a_1, …, a_n]`: action spans sampled by the generator
+(action_mask 1, their rollout log-probs and weight versions) and observation spans from the
+environment (action_mask 0, log-prob 0.0, version −1). The final step's reward is
+`Trajectory.reward` (None: a live reward stream will score it); earlier turns' rewards go to
+`meta["turn_rewards"]` as `[token_index, reward]` pairs, `token_index` being the last action
+token of that turn, which is where the learner places them (SAO.md §4). The final step's
+observation, if any, is dropped: nothing acts on it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from producers.envs.base import Episode
+from producers.generate.base import Generator, SamplingParams
+from schemas.messages import Trajectory
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrajectoryIds:
+    """Who and what a trajectory is, for its message."""
+
+    id: str
+    prompt_id: str
+    env: str
+    producer_id: str
+
+
+def run_episode(episode: Episode, generator: Generator, params: SamplingParams,
+                ids: TrajectoryIds) -> Trajectory:
+    """Alternate generator turns and environment steps until done or `episode.max_turns`."""
+    if params.max_tokens < 1:
+        raise ValueError("max_tokens must be >= 1: every turn needs an action token")
+    spans = {"tokens": [], "action_mask": [], "rollout_logprobs": [], "versions": []}
+
+    def add(token_ids, acted: bool, logprobs=None, versions=None) -> None:
+        n = len(token_ids)
+        spans["tokens"].append(np.asarray(token_ids, np.int32))
+        spans["action_mask"].append(np.full(n, acted, np.uint8))
+        spans["rollout_logprobs"].append(np.zeros(n, np.float32) if logprobs is None else logprobs)
+        spans["versions"].append(np.full(n, -1, np.int32) if versions is None else versions)
+
+    add(episode.prompt_ids, False)
+    turn_rewards, timing = [], {"generate_s": 0.0, "env_s": 0.0}
+    start = time.perf_counter()
+    for turn in range(1, episode.max_turns + 1):
+        gen = generator.generate(np.concatenate(spans["tokens"]).tolist(), params)
+        add(gen.token_ids, True, gen.logprobs, gen.versions)
+        timing["generate_s"] += gen.timing.get("generate_s", 0.0)
+        t = time.perf_counter()
+        step = episode.step(gen.token_ids.tolist())
+        timing["env_s"] += time.perf_counter() - t
+        if step.done or turn == episode.max_turns:
+            break
+        if step.reward is not None:
+            last_action = sum(len(x) for x in spans["tokens"]) - 1
+            turn_rewards.append([last_action, float(step.reward)])
+        add(step.observation, False)
+    timing["total_s"] = time.perf_counter() - start
+    return Trajectory(id=ids.id, prompt_id=ids.prompt_id, env=ids.env, producer_id=ids.producer_id,
+                      **{k: np.concatenate(v) for k, v in spans.items()},
+                      prompt_len=len(episode.prompt_ids), reward=step.reward,
+                      finish_reason=gen.finish_reason, num_turns=turn, timing=timing,
+                      meta={"turn_rewards": turn_rewards})
