@@ -1,0 +1,109 @@
+"""The text side of text environments: chat-formatted prompts and observation turns as token ids.
+
+`Chat` wraps any tokenizer with the HF calls `apply_chat_template(..., tokenize=False)`,
+`encode(text, add_special_tokens=False)` and `decode(ids)`. It reads the template once, with
+sentinel messages, to learn how an assistant turn ends and how a user turn plus the next assistant
+header look, so an observation can be appended right after the model's own stop token without
+re-tokenizing what the model sampled.
+
+`ByteTokenizer` is a ChatML tokenizer over raw UTF-8 bytes for tiny random models: 256 byte ids
+plus four special tokens. No files, no downloads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+_ACT, _OBS = "\x00SAO-ACTION\x00", "\x00SAO-OBSERVATION\x00"
+
+
+class ByteTokenizer:
+    """UTF-8 bytes (ids 0..255) + `<|im_start|>`, `<|im_end|>`, `<|endoftext|>`, `<|pad|>`."""
+
+    special = ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|pad|>")
+    vocab_size = 256 + len(special)
+    eos_token_id = 257  # <|im_end|>
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        ids, i = [], 0
+        while i < len(text):
+            for k, tok in enumerate(self.special):
+                if text.startswith(tok, i):
+                    ids.append(256 + k)
+                    i += len(tok)
+                    break
+            else:
+                j = min((p for p in (text.find(t, i) for t in self.special) if p >= 0), default=len(text))
+                ids += text[i:j].encode()
+                i = j
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        out, run = [], bytearray()
+        for t in ids:
+            if t < 256:
+                run.append(t)
+                continue
+            out.append(run.decode(errors="replace"))
+            run = bytearray()
+            if not skip_special_tokens:
+                out.append(self.special[t - 256])
+        out.append(run.decode(errors="replace"))
+        return "".join(out)
+
+    def convert_tokens_to_ids(self, token: str) -> int | None:
+        return 256 + self.special.index(token) if token in self.special else None
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False,
+                            tokenize: bool = False) -> str | list[int]:
+        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        text += "<|im_start|>assistant\n" if add_generation_prompt else ""
+        return self.encode(text) if tokenize else text
+
+
+class Chat:
+    """Chat-formatted token ids for one tokenizer."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        user = {"role": "user", "content": "U"}
+        acted = tokenizer.apply_chat_template([user, {"role": "assistant", "content": _ACT}], tokenize=False)
+        both = tokenizer.apply_chat_template(
+            [user, {"role": "assistant", "content": _ACT}, {"role": "user", "content": _OBS}],
+            add_generation_prompt=True, tokenize=False)
+        if not both.startswith(acted) or _OBS not in both:
+            raise ValueError("the tokenizer's chat template does not render turns as a prefix-stable "
+                             "sequence; text environments cannot append observations to it")
+        self.turn_end = acted.split(_ACT, 1)[1]  # e.g. "<|im_end|>\n"
+        self.next_turn = both[len(acted):]  # e.g. "<|im_start|>user\n{obs}<|im_end|>\n<|im_start|>assistant\n"
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        """The conversation so far, ending with the assistant header the model continues from."""
+        return self.encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                              tokenize=False))
+
+    def observation_ids(self, action_ids: Sequence[int], text: str) -> list[int]:
+        """Tokens that close the model's turn (unless its stop token already did), add `text` as a
+        user turn, and open the next assistant turn."""
+        close = self.turn_end
+        if action_ids and action_ids[-1] in self.stop_token_ids():
+            last = self.tokenizer.decode([action_ids[-1]])
+            close = close.removeprefix(last)
+        return self.encode(close + self.next_turn.replace(_OBS, text))
+
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """Ids that end an assistant turn: the template's end-of-turn token and the EOS."""
+        ids = {self.tokenizer.eos_token_id}
+        end = self.encode(self.turn_end.strip())
+        if len(end) == 1:
+            ids.add(end[0])
+        return tuple(sorted(i for i in ids if i is not None))

@@ -1,0 +1,82 @@
+"""`python-tool`: a multi-turn agent that may run Python before answering.
+
+Each turn the model writes text; if it contains a fenced ```python block (the last one counts; an
+unclosed block at the end of the turn counts too) and turns remain, the sandbox runs it and its
+output (or the reason it was stopped) comes back as a user turn wrapped in ```output fences, as
+observation tokens (action_mask 0). A turn without code, or the last allowed turn, is final: its
+`Answer: <integer>` is verified exactly, as in `math`. Tasks are math problems with larger
+operands, where running code pays.
+
+The sandbox (producers/sandbox.py) contains whatever the code does; the episode only ever sees
+its text result, so an attack costs at most one timeout and the producer goes on.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from producers.envs.base import Step
+from producers.envs.chat import Chat
+from producers.envs.math import check_task, sample_problem, score
+from producers.sandbox import Sandbox, format_result
+
+SYSTEM = ("You can run Python. To run code, write it in a ```python fenced block and stop; you will "
+          "see its output. When you know the result, end your reply with 'Answer: <integer>'.")
+
+_CODE = re.compile(r"```python[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
+
+
+def extract_code(text: str) -> str | None:
+    """The last ```python block of `text` (closed, or open until the end), or None."""
+    blocks = _CODE.findall(text)
+    return blocks[-1] if blocks and blocks[-1].strip() else None
+
+
+@dataclass
+class PythonToolEpisode:
+    prompt_ids: list[int]
+    answer: int
+    chat: Chat
+    sandbox: Sandbox
+    max_turns: int
+    turn: int = 0
+
+    def step(self, action_ids: list[int]) -> Step:
+        self.turn += 1
+        text = self.chat.decode(action_ids)
+        code = extract_code(text)
+        if code is None or self.turn >= self.max_turns:
+            return Step(reward=score(text, self.answer), done=True)
+        observation = f"```output\n{format_result(self.sandbox.run(code))}\n```"
+        return Step(observation=self.chat.observation_ids(action_ids, observation))
+
+
+@dataclass(kw_only=True)
+class PythonToolEnv:
+    tokenizer: Any = None
+    """Tokenizer of the policy; only `episode` needs it."""
+    sandbox: Sandbox | None = None
+    """Where the model's code runs; only `episode` needs it."""
+    max_turns: int = 4
+    """Most model turns per episode; the last one must answer."""
+    max_operand: int = 100_000
+    """Largest operand in generated problems."""
+    name: str = "python-tool"
+    _chat: Chat | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self):
+        self._chat = Chat(self.tokenizer) if self.tokenizer is not None else None
+
+    def sample_task(self, rng: random.Random) -> dict:
+        return sample_problem(rng, self.max_operand)
+
+    def episode(self, task: dict) -> PythonToolEpisode:
+        question, answer = check_task(task)
+        if self._chat is None or self.sandbox is None:
+            raise ValueError("PythonToolEnv needs a tokenizer and a sandbox to run episodes")
+        ids = self._chat.prompt_ids([{"role": "system", "content": SYSTEM},
+                                     {"role": "user", "content": question}])
+        return PythonToolEpisode(ids, answer, self._chat, self.sandbox, self.max_turns)
