@@ -57,19 +57,21 @@ def k3_kl(logp: Tensor, logp_rollout: Tensor) -> Tensor:
 def ratio_stats(logp: Tensor, logp_rollout: Tensor, action_mask: Tensor,
                 eps_low: float, eps_high: float) -> dict[str, Tensor]:
     """Health numbers of the ratio to π_rollout over action tokens (SAO.md §3, §8: healthy runs mask
-    roughly 0.04 %–0.6 % of tokens)."""
-    ratio = dis_ratio(logp, logp_rollout)[action_mask]
-    n = max(ratio.numel(), 1)
-    diff = (logp - logp_rollout)[action_mask]
+    roughly 0.04 %–0.6 % of tokens). Masked reductions: no host sync, and no error when empty."""
+    ratio = dis_ratio(logp, logp_rollout)
+
+    def mean(x: Tensor) -> Tensor:
+        return aggregate(x.float(), action_mask, "token_mean")
+
     return {
-        "kept_frac": dis_keep(ratio, eps_low, eps_high).sum() / n,
-        "masked_low_frac": (ratio <= 1.0 - eps_low).sum() / n,
-        "masked_high_frac": (ratio >= 1.0 + eps_high).sum() / n,
-        "ratio_mean": ratio.mean(),
-        "ratio_max": ratio.max(),
-        "ratio_min": ratio.min(),
-        "abs_logp_diff": diff.abs().mean(),
-        "approx_kl": k3_kl(logp, logp_rollout)[action_mask].mean(),
+        "kept_frac": mean(dis_keep(ratio, eps_low, eps_high)),
+        "masked_low_frac": mean(ratio <= 1.0 - eps_low),
+        "masked_high_frac": mean(ratio >= 1.0 + eps_high),
+        "ratio_mean": mean(ratio),
+        "ratio_max": torch.where(action_mask, ratio, -torch.inf).max(),
+        "ratio_min": torch.where(action_mask, ratio, torch.inf).min(),
+        "abs_logp_diff": mean((logp - logp_rollout).abs()),
+        "approx_kl": mean(k3_kl(logp, logp_rollout)),
     }
 
 
@@ -105,5 +107,5 @@ def ppo_clip_policy_loss(logp: Tensor, logp_old: Tensor, adv: Tensor, action_mas
     per_token = -torch.min(ratio * adv, clipped * adv)
     loss = aggregate(per_token, action_mask, loss_agg)
     with torch.no_grad():
-        clip_frac = ((ratio - clipped).abs() > 0)[action_mask].float().mean()
+        clip_frac = aggregate((ratio != clipped).float(), action_mask, "token_mean")
     return loss, {"clip_frac": clip_frac}

@@ -11,12 +11,14 @@ observation, if any, is dropped: nothing acts on it.
 
 from __future__ import annotations
 
+import json
+import random
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from producers.envs.base import Episode
+from producers.envs.base import Env, Episode
 from producers.generate.base import Generator, SamplingParams
 from schemas.messages import Trajectory
 
@@ -67,3 +69,20 @@ def run_episode(episode: Episode, generator: Generator, params: SamplingParams,
                       prompt_len=len(episode.prompt_ids), reward=step.reward,
                       finish_reason=gen.finish_reason, num_turns=turn, timing=timing,
                       meta={"turn_rewards": turn_rewards})
+
+
+def play_tasks(env: Env, generator: Generator, params: SamplingParams, rng: random.Random, *,
+               num_prompts: int, group_size: int = 1, producer_id: str = "local",
+               id_prefix: str = "") -> list[Trajectory]:
+    """`num_prompts` fresh tasks of `env`, `group_size` episodes each, played in-process (tests,
+    benchmarks). A task's prompt id is its content, so every repeat of a task shares one running
+    mean and the G episodes of a sampled task form one group."""
+    trajs = []
+    for p in range(num_prompts):
+        task = env.sample_task(rng)
+        prompt_id = f"{env.name}/{json.dumps(task, sort_keys=True)}"
+        for g in range(group_size):
+            ids = TrajectoryIds(id=f"{id_prefix}{p}.{g}", prompt_id=prompt_id, env=env.name,
+                                producer_id=producer_id)
+            trajs.append(run_episode(env.episode(task), generator, params, ids))
+    return trajs

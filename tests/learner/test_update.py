@@ -1,0 +1,210 @@
+"""SAOUpdate (SAO.md §3–§5, §7): warm-up, the non-finite guard, baselines on the same path,
+checkpointable state, determinism, and its config."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import copy
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from learner.logprobs import collate
+from learner.models import tiny_llama
+from learner.update import SAOUpdate, UpdateConfig, guarded_step
+from learner.value import ValueModel
+from producers.envs import make_env
+from producers.episode import play_tasks
+from producers.generate.base import SamplingParams
+from producers.generate.hf import HFGenerator
+from schemas.config import from_env
+
+REQUIRED_METRICS = {
+    "loss/policy", "loss/value", "dis/kept_frac", "dis/masked_low_frac", "dis/masked_high_frac",
+    "dis/ratio_mean", "dis/ratio_max", "dis/ratio_min", "dis/abs_logp_diff", "value/explained_var",
+    "grad_norm/policy", "grad_norm/critic", "policy/entropy", "reward/mean", "step/skipped",
+    "step/policy_updated"}
+
+
+def build(algorithm="sao", seed=0, **kw):
+    policy = tiny_llama(seed=seed)
+    critic = ValueModel.from_policy(policy) if algorithm.startswith("sao") else None
+    return SAOUpdate(policy, critic, UpdateConfig(algorithm=algorithm, lr_policy=1e-2, lr_critic=1e-2, **kw))
+
+
+def rollouts(update, seed=0, num_prompts=4, group_size=1, env="toy-multiturn"):
+    """Trajectories sampled by the update's own policy (the on-policy, in-process case)."""
+    return play_tasks(make_env(env, turn_rewards=True), HFGenerator(update.policy, seed=seed),
+                      SamplingParams(max_tokens=3), random.Random(seed),
+                      num_prompts=num_prompts, group_size=group_size, id_prefix=f"{seed}.")
+
+
+def params_of(update):
+    models = [update.policy] + ([update.critic] if update.critic is not None else [])
+    return [p.detach().clone() for m in models for p in m.parameters()]
+
+
+def same(a, b):
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_warm_up_trains_only_the_critic_for_ten_steps():
+    update = build("sao")
+    assert update.cfg.warmup_steps == 10
+    policy0 = [p.detach().clone() for p in update.policy.parameters()]
+    critic0 = [p.detach().clone() for p in update.critic.parameters()]
+    trajs = rollouts(update)
+    for i in range(10):
+        m = update.step(trajs)
+        assert m["step/policy_updated"] == 0 and m["step/critic_updates"] == 2, i
+    assert same(policy0, [p.detach() for p in update.policy.parameters()])
+    assert not same(critic0, [p.detach() for p in update.critic.parameters()])
+    assert update.policy_opt.state_dict()["state"] == {}
+    m = update.step(trajs)
+    assert m["step/policy_updated"] == 1
+    assert not same(policy0, [p.detach() for p in update.policy.parameters()])
+
+
+@pytest.mark.parametrize("algorithm", ["sao", "grpo_dis", "running_mean"])
+@pytest.mark.parametrize("poison", ["nan_reward", "inf_logprob"])
+def test_non_finite_input_leaves_every_parameter_and_optimizer_state_unchanged(algorithm, poison):
+    update = build(algorithm, warmup_steps=0)
+    good = rollouts(update, group_size=2, num_prompts=2)
+    assert update.step(good)["step/skipped"] == 0  # optimizers now have state to protect
+    bad = copy.deepcopy(good)
+    if poison == "nan_reward":
+        bad[1].reward = math.nan
+    else:
+        acted = np.flatnonzero(bad[1].action_mask)
+        bad[1].rollout_logprobs[acted[0]] = -np.inf
+    before, opt_before = params_of(update), copy.deepcopy(update.state_dict())
+    metrics = update.step(bad)
+    assert metrics["step/skipped"] == 1 and metrics["step/policy_updated"] == 0
+    assert same(before, params_of(update))
+    after = update.state_dict()
+    assert after["step"] == opt_before["step"] + 1
+    for key in ("policy_opt", "critic_opt", "running_mean"):
+        assert str(after[key]) == str(opt_before[key]), key
+
+
+def test_guard_skips_a_finite_loss_with_a_non_finite_gradient():
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    assert guarded_step(model(torch.ones(1, 3)).sum(), model, opt, 1.0)[0]  # a real step first
+    before = [p.detach().clone() for p in model.parameters()]
+    state = copy.deepcopy(opt.state_dict())
+    w = model.weight
+    loss = (w - w.detach()).abs().sqrt().sum()  # value 0, gradient ∞ at 0
+    stepped, grad_norm = guarded_step(loss, model, opt, 1.0)
+    assert torch.isfinite(loss) and not stepped and not math.isfinite(grad_norm)
+    assert same(before, [p.detach() for p in model.parameters()])
+    assert str(opt.state_dict()) == str(state)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_sao_k1_takes_one_critic_step_and_sao_two():
+    assert build("sao_k1").step(rollouts(build("sao_k1")))["step/critic_updates"] == 1
+    metrics = build("sao").step(rollouts(build("sao")))
+    assert metrics["step/critic_updates"] == 2
+    assert REQUIRED_METRICS <= set(metrics)
+
+
+def test_grpo_advantage_is_group_normalised_and_spread_over_action_tokens():
+    update = build("grpo")
+    trajs = rollouts(update, num_prompts=2, group_size=4)
+    batch = collate(trajs)
+    adv, returns, values = update.advantages(batch)
+    assert returns is None and values is None
+    total = batch.rewards.sum(-1)
+    for b in range(batch.size):
+        group = [i for i in range(batch.size) if batch.prompt_ids[i] == batch.prompt_ids[b]]
+        g = total[group]
+        expected = (total[b] - g.mean()) / (g.std() + 1e-6)
+        acted = batch.action_mask[b]
+        torch.testing.assert_close(adv[b, acted], expected.expand(int(acted.sum())))
+        assert (adv[b, ~acted] == 0).all()
+
+
+def test_running_mean_starts_at_zero_advantage_then_uses_history():
+    update = build("running_mean")
+    trajs = rollouts(update, num_prompts=3)
+    batch = collate(trajs)
+    adv, _, _ = update.advantages(batch)
+    assert (adv == 0).all()  # no history yet
+    total = batch.rewards.sum(-1)
+    for t in trajs:
+        t.reward += 0.5  # the same prompts score 0.5 higher: Â = 0.5 against the history
+    batch2 = collate(trajs)
+    adv2, _, _ = update.advantages(batch2)
+    assert batch2.rewards.sum(-1).sub(total).allclose(torch.full((3,), 0.5))
+    torch.testing.assert_close(adv2[batch2.action_mask], torch.full((int(batch2.action_mask.sum()),), 0.5))
+
+
+@pytest.mark.parametrize("algorithm", ["sao", "grpo", "running_mean"])
+def test_state_dict_round_trip_resumes_bit_identically(algorithm):
+    batches = [rollouts(build(algorithm), seed=s, num_prompts=2, group_size=2) for s in range(3)]
+    a = build(algorithm, warmup_steps=1)
+    for trajs in batches:
+        a.step(trajs)
+    b = build(algorithm, warmup_steps=1)
+    for trajs in batches[:2]:
+        b.step(trajs)
+    saved = copy.deepcopy((b.state_dict(), b.policy.state_dict(),
+                           b.critic.state_dict() if b.critic else None))
+    c = build(algorithm, warmup_steps=1)
+    c.load_state_dict(saved[0])
+    c.policy.load_state_dict(saved[1])
+    if c.critic is not None:
+        c.critic.load_state_dict(saved[2])
+    c.step(batches[2])
+    assert same(params_of(a), params_of(c))
+    assert c.state_dict()["step"] == 3
+
+
+def test_packed_and_padded_updates_agree():
+    trajs = rollouts(build("sao"), num_prompts=4)
+    ups = [build("sao", warmup_steps=0, packed=packed) for packed in (False, True)]
+    ms = [u.step(trajs) for u in ups]
+    assert ms[0]["loss/policy"] == pytest.approx(ms[1]["loss/policy"], rel=1e-4, abs=1e-6)
+    for p, q in zip(params_of(ups[0]), params_of(ups[1])):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-4)
+
+
+def test_algorithm_and_critic_must_agree():
+    policy = tiny_llama()
+    with pytest.raises(ValueError, match="needs"):
+        SAOUpdate(policy, None, UpdateConfig(algorithm="sao"))
+    with pytest.raises(ValueError, match="takes no"):
+        SAOUpdate(policy, ValueModel.from_policy(policy), UpdateConfig(algorithm="grpo"))
+
+
+def test_config_presets_overrides_validation_and_environment():
+    assert UpdateConfig().eps == (0.3, 5.0)
+    assert UpdateConfig(preset="coding").eps == (0.8, 3.0)
+    assert UpdateConfig(preset="coding", eps_high=2.0).eps == (0.8, 2.0)
+    assert UpdateConfig(algorithm="sao_k1").num_critic_updates == 1
+    assert UpdateConfig(algorithm="grpo").policy_warmup_steps == 0
+    assert UpdateConfig(running_mean_scope="global").window == 128
+    assert UpdateConfig().window == 8
+    with pytest.raises(ValueError, match="--lr-policy"):
+        UpdateConfig(lr_policy=0.0)
+    with pytest.raises(ValueError, match="--eps-low"):
+        UpdateConfig(eps_low=1.5)
+    cfg = from_env(UpdateConfig, {"SAO_ALGORITHM": "grpo_dis", "SAO_EPS_LOW": "0.5",
+                                  "SAO_VALUE_CLIP": "none", "SAO_LOSS_AGG": "seq_mean_token_mean"})
+    assert (cfg.algorithm, cfg.eps, cfg.value_clip, cfg.loss_agg) == (
+        "grpo_dis", (0.5, 5.0), None, "seq_mean_token_mean")
+
+
+def test_every_algorithm_runs_on_the_same_path():
+    for algorithm in ("sao", "sao_k1", "sao_full_critic", "grpo", "grpo_dis", "running_mean"):
+        update = build(algorithm, warmup_steps=0, kl_coef=0.1, entropy_coef=0.01,
+                       value_clip=0.2, whiten_advantages=True)
+        metrics = update.step(rollouts(update, num_prompts=2, group_size=2))
+        assert metrics["step/skipped"] == 0 and metrics["step/policy_updated"] == 1, algorithm
+        assert all(math.isfinite(v) for k, v in metrics.items()
+                   if not k.startswith(("value/explained", "grad_norm/critic"))), (algorithm, metrics)

@@ -1,0 +1,154 @@
+"""The critic of SAO.md §5: zero head, attention frozen by module type for dense and MoE models,
+the parameter report, the value loss and explained variance."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np
+import pytest
+import torch
+
+from learner.logprobs import collate
+from learner.models import tiny_llama, tiny_qwen3_moe
+from learner.update import SAOUpdate, UpdateConfig
+from learner.value import (ValueModel, critic_values, explained_variance, format_report,
+                           freeze_attention, is_attention, param_report, value_loss)
+from schemas.messages import Trajectory
+
+BUILDERS = {"llama": tiny_llama, "qwen3_moe": tiny_qwen3_moe}
+
+
+def batch_of(n=4, seed=0):
+    rng = np.random.default_rng(seed)
+    trajs = []
+    for i in range(n):
+        mask = np.array([0, 0, 1, 1, 0, 1, 1], np.uint8)
+        trajs.append(Trajectory(id=str(i), prompt_id=str(i), env="t", producer_id="t",
+                                tokens=rng.integers(3, 64, 7), action_mask=mask,
+                                rollout_logprobs=np.where(mask, -4.0, 0.0),
+                                versions=np.where(mask, 0, -1), prompt_len=2,
+                                reward=float(rng.random())))
+    return trajs
+
+
+def attention_params(model):
+    return {n: p for m_name, m in model.named_modules() if is_attention(m)
+            for n, p in m.named_parameters(prefix=m_name)}
+
+
+def snapshot(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("family", BUILDERS)
+def test_value_head_starts_at_zero(family):
+    critic = ValueModel.from_policy(BUILDERS[family]())
+    assert (critic.head.weight == 0).all() and (critic.head.bias == 0).all()
+    values = critic_values(critic, collate(batch_of()))
+    assert (values == 0).all()
+
+
+@pytest.mark.parametrize("family", BUILDERS)
+def test_critic_starts_from_the_policy_weights_without_sharing_them(family):
+    policy = BUILDERS[family]()
+    critic = ValueModel.from_policy(policy)
+    for name, p in policy.base_model.named_parameters():
+        q = critic.backbone.get_parameter(name)
+        assert torch.equal(p, q) and p.data_ptr() != q.data_ptr()
+
+
+@pytest.mark.parametrize("family", BUILDERS)
+def test_after_k_critic_updates_attention_is_bit_identical_and_mlp_moved(family):
+    policy = BUILDERS[family](seed=4)
+    critic = ValueModel.from_policy(policy)
+    update = SAOUpdate(policy, critic, UpdateConfig(algorithm="sao", lr_critic=1e-2))
+    before = snapshot(critic)
+    metrics = update.step(batch_of())
+    assert metrics["step/critic_updates"] == 2 and metrics["step/skipped"] == 0
+    attention = attention_params(critic)
+    assert len(attention) >= 8  # q, k, v, o in each of 2 layers at least
+    for name in attention:
+        assert torch.equal(critic.get_parameter(name), before[name]), name
+    moved = [n for n, p in critic.named_parameters()
+             if ("mlp" in n) and not torch.equal(p, before[n])]
+    mlp = [n for n in before if "mlp" in n and "gate.weight" not in n]  # the router may not move
+    assert set(mlp) <= set(moved)
+    assert not torch.equal(critic.head.weight, before["head.weight"])
+    # the policy's attention is not frozen
+    assert all(p.requires_grad for p in attention_params(policy).values())
+
+
+def test_full_critic_ablation_trains_attention():
+    policy = tiny_llama(seed=4)
+    critic = ValueModel.from_policy(policy)
+    update = SAOUpdate(policy, critic, UpdateConfig(algorithm="sao_full_critic", lr_critic=1e-2))
+    before = snapshot(critic)
+    update.step(batch_of())
+    changed = [n for n in attention_params(critic) if not torch.equal(critic.get_parameter(n), before[n])]
+    assert changed
+
+
+@pytest.mark.parametrize("family", BUILDERS)
+def test_param_report_counts_by_module_kind(family):
+    critic = ValueModel.from_policy(BUILDERS[family]())
+    freeze_attention(critic)
+    report = param_report(critic)
+    n_attention = sum(p.numel() for p in attention_params(critic).values())
+    assert report["attention"] == {"trainable": 0, "frozen": n_attention}
+    assert report["value_head"] == {"trainable": critic.head.in_features + 1, "frozen": 0}
+    for kind in ("mlp", "norm", "embedding"):
+        assert report[kind]["trainable"] > 0 and report[kind]["frozen"] == 0
+    total = sum(p.numel() for p in critic.parameters())
+    assert report["total"]["trainable"] + report["total"]["frozen"] == total
+    assert sum(v["trainable"] + v["frozen"] for k, v in report.items() if k != "total") == total
+    if family == "qwen3_moe":
+        assert report["router"]["trainable"] > 0
+    assert "attention" in format_report(report) and format_report(report).splitlines()[-1].startswith("total")
+
+
+def test_freezing_a_model_without_attention_refuses():
+    with pytest.raises(ValueError, match="no attention module"):
+        freeze_attention(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
+def test_freeze_by_explicit_type_for_other_families():
+    class Mixer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(2, 2)
+
+    model = torch.nn.Sequential(Mixer(), torch.nn.Linear(2, 2))
+    assert freeze_attention(model, attention_types=(Mixer,)) == 2
+    assert not model[0].proj.weight.requires_grad and model[1].weight.requires_grad
+
+
+def test_values_of_token_t_see_only_tokens_before_t():
+    critic = ValueModel.from_policy(tiny_llama(seed=5))
+    torch.nn.init.normal_(critic.head.weight)
+    trajs = batch_of(1)
+    v1 = critic_values(critic, collate(trajs))
+    trajs[0].tokens[5] = (trajs[0].tokens[5] + 1) % 64  # change action token 5
+    v2 = critic_values(critic, collate(trajs))
+    assert torch.equal(v1[:, :6], v2[:, :6])  # V(s_5) is read before token 5
+    assert not torch.equal(v1[:, 6], v2[:, 6])
+
+
+def test_value_loss_by_hand_with_and_without_clipping():
+    values = torch.tensor([[0.0, 1.0, 3.0]])
+    returns = torch.tensor([[0.0, 2.0, 2.0]])
+    old = torch.tensor([[0.0, 0.0, 0.0]])
+    m = torch.tensor([[False, True, True]])
+    assert value_loss(values, returns, m).item() == pytest.approx((1 + 1) / 2)
+    # clip 0.5: clipped values 0.5, 0.5 → errors 2.25, 2.25; max with 1, 1 → 2.25
+    assert value_loss(values, returns, m, values_old=old, clip=0.5).item() == pytest.approx(2.25)
+
+
+def test_explained_variance_on_action_tokens():
+    returns = torch.tensor([[9.0, 1.0, 2.0, 3.0]])
+    m = torch.tensor([[False, True, True, True]])
+    assert explained_variance(returns, returns, m).item() == 1.0
+    assert explained_variance(torch.zeros(1, 4), returns, m).item() == pytest.approx(0.0)
+    # a constant offset leaves Var(R − V) = 0: everything is explained
+    assert explained_variance(returns + 0.5, returns, m).item() == pytest.approx(1.0)
+    assert torch.isnan(explained_variance(returns, torch.ones(1, 4), m))
