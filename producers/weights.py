@@ -1,0 +1,183 @@
+"""Weight subscription: follow `sao.weights`, verify each newer version, and swap it in.
+
+Every producer and inference server reads the whole (one-partition) topic with its own consumer
+and no shared group: partition 0 is assigned from the beginning, the backlog is read to the high
+watermark, and the newest announcement that loads wins (falling back to older ones if it does
+not). After that each announcement newer than the loaded version is fetched from its `file://`
+uri, checked against its `num_bytes` and `sha256`, and handed to `generator.load_weights`, which
+swaps between two decode steps: an episode in flight continues on the new weights and its later
+tokens carry the new version.
+
+A failed or corrupt load keeps the old weights; it is logged and counted (`rejected`). Older or
+equal versions are counted as `ignored`. An undecodable announcement is logged and counted
+(`invalid`) but not dead-lettered: every producer reads every announcement, so each would send
+its own copy of the same dead letter.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+from confluent_kafka import OFFSET_BEGINNING, KafkaError, KafkaException, TopicPartition
+
+from producers.generate.base import Generator
+from schemas import topics as T
+from schemas.kafka import KafkaConfig, make_consumer
+from schemas.messages import SchemaError, Weights
+
+log = logging.getLogger(__name__)
+
+
+class WeightsError(ValueError):
+    """An announced weights file that cannot be used (missing, wrong size, wrong sha256)."""
+
+
+def local_path(uri: str) -> Path:
+    """The path of a `file:///abs/path` uri."""
+    parsed = urlparse(uri)
+    if parsed.scheme != "file" or parsed.netloc not in ("", "localhost"):
+        raise WeightsError(f"unsupported weights uri {uri!r}: only file:///abs/path is supported")
+    return Path(unquote(parsed.path))
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def verify(w: Weights) -> Path:
+    """The local file of announcement `w`, after checking its size and sha256."""
+    path = local_path(w.uri)
+    try:
+        size = path.stat().st_size
+    except OSError as e:
+        raise WeightsError(f"version {w.version}: cannot read {path}: {e}") from None
+    if size != w.num_bytes:
+        raise WeightsError(f"version {w.version}: {path} has {size} bytes, announced {w.num_bytes}")
+    digest = sha256_file(path)
+    if digest != w.sha256:
+        raise WeightsError(f"version {w.version}: sha256 {digest} of {path} != announced {w.sha256}")
+    return path
+
+
+def newest_first(announcements: Sequence[Weights], current: int) -> list[Weights]:
+    """Candidates to load after reading the backlog: versions above `current`, newest first,
+    one per version (the last announcement of a version wins)."""
+    by_version = {w.version: w for w in announcements if w.version > current}
+    return [by_version[v] for v in sorted(by_version, reverse=True)]
+
+
+# not flagged retriable by librdkafka, yet transient while a just-created topic elects its leader
+_NO_LEADER_YET = {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE,
+                  KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_PARTITION}
+
+
+def _watermarks(consumer, tp: TopicPartition, timeout: float = 60.0) -> tuple[int, int]:
+    """(low, high) of `tp`, retrying retriable errors (a fresh topic has no leader yet) with backoff."""
+    deadline, backoff = time.monotonic() + timeout, 0.1
+    while True:
+        try:
+            return consumer.get_watermark_offsets(tp, timeout=5, cached=False)
+        except KafkaException as e:
+            if e.args[0].code() not in _NO_LEADER_YET and not e.args[0].retriable() \
+                    or time.monotonic() > deadline:
+                raise
+            time.sleep(backoff)
+            backoff = min(2 * backoff, 2.0)
+
+
+class WeightSubscriber:
+    """A background thread that keeps `generator` on the newest loadable announced version."""
+
+    def __init__(self, kafka: KafkaConfig, generator: Generator, *, verify_files: bool = True,
+                 poll_s: float = 0.2):
+        self.kafka = kafka
+        self.generator = generator
+        self.verify_files = verify_files  # False: the generator only records versions (http backend)
+        self.poll_s = poll_s
+        self.counts = {"loaded": 0, "rejected": 0, "ignored": 0, "invalid": 0}
+        self.last_swap_s = float("nan")  # announcement created_at -> new weights live
+        self.caught_up = threading.Event()  # the backlog has been read and the newest version tried
+        self.error: BaseException | None = None  # why the thread died; the owner should exit
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="weights", daemon=True)
+
+    def start(self) -> WeightSubscriber:
+        self._thread.start()
+        return self
+
+    def close(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+
+    def apply(self, w: Weights) -> bool:
+        """Load `w` if it is newer than the generator's version; False if ignored or rejected."""
+        if w.version <= self.generator.version:
+            self.counts["ignored"] += 1
+            log.info("weights version %d ignored: already on %d", w.version, self.generator.version)
+            return False
+        try:
+            path = verify(w) if self.verify_files else local_path(w.uri)
+            self.generator.load_weights(str(path), w.version)
+        except Exception as e:  # a bad file or a load failure must never take the producer down
+            self.counts["rejected"] += 1
+            log.error("weights version %d rejected, staying on %d: %s", w.version,
+                      self.generator.version, e)
+            return False
+        self.counts["loaded"] += 1
+        self.last_swap_s = time.time() - w.created_at
+        log.info("weights version %d live (%.3fs after its announcement)", w.version, self.last_swap_s)
+        return True
+
+    def _decode(self, msg) -> Weights | None:
+        if msg is None:
+            return None
+        if msg.error():
+            log.warning("weights consumer: %s", msg.error())
+            return None
+        try:
+            return Weights.decode(msg.value() or b"")
+        except SchemaError as e:
+            self.counts["invalid"] += 1
+            log.error("invalid weights announcement at offset %d: %s", msg.offset(), e)
+            return None
+
+    def _catch_up(self, consumer, tp: TopicPartition) -> None:
+        _, high = _watermarks(consumer, tp)
+        backlog, position = [], -1
+        while position < high - 1 and not self._stop.is_set():
+            msg = consumer.poll(self.poll_s)
+            if msg is not None and not msg.error():
+                position = msg.offset()
+            if (w := self._decode(msg)) is not None:
+                backlog.append(w)
+        for w in newest_first(backlog, self.generator.version):
+            if self.apply(w):
+                break
+
+    def _run(self) -> None:
+        consumer = make_consumer(self.kafka, f"sao-weights-{uuid.uuid4().hex}")
+        tp = TopicPartition(self.kafka.topic(T.WEIGHTS), 0, OFFSET_BEGINNING)
+        try:
+            consumer.assign([tp])
+            self._catch_up(consumer, tp)
+            self.caught_up.set()
+            while not self._stop.is_set():
+                if (w := self._decode(consumer.poll(self.poll_s))) is not None:
+                    self.apply(w)
+        except BaseException as e:  # the owner checks `error` and exits: no silent stale weights
+            self.error = e
+            log.exception("weights subscription died")
+        finally:
+            self.caught_up.set()
+            consumer.close()
