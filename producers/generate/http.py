@@ -1,0 +1,161 @@
+"""The `http` generator backend: an OpenAI-compatible completions endpoint that takes token ids.
+
+What `vllm serve` offers (VLLM.md §3.2) and `sao serve` implements: `prompt` as a list of ids,
+`logprobs: 0` (the sampled token's log-prob), `return_token_ids`, `return_tokens_as_token_ids`,
+every sampling field sent explicitly (so no server-side generation_config can change the
+distribution), no truncation, no penalties. CPU sandbox producers scale apart from GPU inference.
+
+Weight versions, per token, in order of preference:
+1. `choices[0].weight_versions` in the response: spans `{"version", "start", "end"}` over output
+   token indexes (vLLM main, `sao serve`) or one version per token;
+2. the server's `GET /weight_info` (`weight_version`), read after the call;
+3. the last version announced on `sao.weights` (`load_weights` records it; the server, not this
+   process, owns the weights).
+A log-prob ≤ -9999 is vLLM's clamp of -inf/NaN (VLLM.md pitfall 9): the call fails with
+`InvalidGeneration` rather than publish a made-up number.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import time
+from collections.abc import Sequence
+
+import httpx
+import numpy as np
+
+from producers.generate.base import Generation, SamplingParams
+
+log = logging.getLogger(__name__)
+
+CLAMPED_LOGPROB = -9999.0
+
+
+class InvalidGeneration(ValueError):
+    """The server answered, but not with something a trajectory can carry."""
+
+
+def request_body(prompt_ids: Sequence[int], params: SamplingParams, model: str) -> dict:
+    """A completions request that samples from exactly `softmax(logits / T)` (VLLM.md §3.2)."""
+    body = {"model": model, "prompt": [int(t) for t in prompt_ids], "max_tokens": params.max_tokens,
+            "temperature": params.temperature, "top_p": params.top_p,
+            "top_k": params.top_k if params.top_k > 0 else -1, "min_p": 0.0,
+            "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+            "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True,
+            "skip_special_tokens": False, "stop_token_ids": list(params.stop_token_ids), "n": 1}
+    if params.seed is not None:
+        body["seed"] = params.seed
+    return body
+
+
+def as_version(v) -> int:
+    """An int version from an int, "8" or "v8"."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        return v
+    m = re.fullmatch(r"\D*(\d+)", str(v))
+    if m is None:
+        raise InvalidGeneration(f"weight version {v!r} is not a number")
+    return int(m.group(1))
+
+
+def versions_from(spec, n: int) -> np.ndarray | None:
+    """(n,) int32 versions from a `weight_versions` field (spans or per-token), or None."""
+    if spec is None:
+        return None
+    if len(spec) == n and all(not isinstance(s, dict) for s in spec):
+        return np.array([as_version(v) for v in spec], dtype=np.int32)
+    out = np.full(n, -1, dtype=np.int32)
+    for span in spec:
+        out[int(span["start"]):int(span["end"])] = as_version(span["version"])
+    if (out < 0).any():
+        raise InvalidGeneration(f"weight_versions {spec!r} do not cover all {n} tokens")
+    return out
+
+
+def parse_choice(choice: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, str]:
+    """token ids, log-probs, versions (or None) and finish reason of one completion choice."""
+    lp = choice.get("logprobs") or {}
+    if "token_ids" in choice:
+        tokens = [int(t) for t in choice["token_ids"]]
+    else:  # older servers: only the "token_id:N" strings of return_tokens_as_token_ids
+        tokens = [int(s.split(":", 1)[1]) for s in lp.get("tokens", [])]
+    logprobs = lp.get("token_logprobs")
+    if logprobs is None or len(logprobs) != len(tokens):
+        raise InvalidGeneration(f"{len(tokens)} tokens but log-probs {logprobs!r:.80}")
+    for i, (t, x) in enumerate(zip(tokens, logprobs)):
+        if x is None or not math.isfinite(x) or x <= CLAMPED_LOGPROB or x > 0:
+            raise InvalidGeneration(f"token {i} (id {t}): log-prob {x} is not a valid probability "
+                                    "(≤ -9999 is the server's clamp of -inf/NaN)")
+    if "token_ids" in choice and lp.get("tokens") and lp["tokens"] != [f"token_id:{t}" for t in tokens]:
+        raise InvalidGeneration("logprobs.tokens do not name the returned token_ids")
+    finish = choice.get("finish_reason")
+    if finish not in ("stop", "length"):  # e.g. "abort": a paused/aborted request, not an episode
+        raise InvalidGeneration(f"finish_reason {finish!r}")
+    versions = versions_from(choice.get("weight_versions"), len(tokens))
+    return (np.array(tokens, dtype=np.int32), np.array(logprobs, dtype=np.float32), versions, finish)
+
+
+class HttpGenerator:
+    """Implements producers.generate.base.Generator against a completions server."""
+
+    def __init__(self, base_url: str, *, model: str = "default", timeout_s: float = 600.0,
+                 retries: int = 30, client: httpx.Client | None = None):
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.retries = retries
+        self.client = client or httpx.Client(timeout=timeout_s)
+        self._announced = 0
+        self._seen = 0
+        self._weight_info = True  # until the server says it has no such endpoint
+
+    @property
+    def version(self) -> int:
+        return max(self._announced, self._seen)
+
+    def load_weights(self, path: str, version: int) -> None:
+        """The server loads weights itself; remember the announced version as the fallback tag."""
+        self._announced = max(self._announced, version)
+
+    def _post(self, body: dict) -> dict:
+        """POST with bounded backoff on transport errors and 5xx; 4xx is our bug and raises."""
+        for attempt in range(self.retries + 1):
+            try:
+                r = self.client.post(f"{self.base_url}/v1/completions", json=body)
+                if r.status_code < 500:
+                    r.raise_for_status()
+                    return r.json()
+                err: Exception = httpx.HTTPStatusError(r.text[:200], request=r.request, response=r)
+            except httpx.TransportError as e:
+                err = e
+            if attempt == self.retries:
+                raise err
+            log.warning("completions call failed (%s); retry %d/%d", err, attempt + 1, self.retries)
+            time.sleep(min(0.2 * 2 ** attempt, 5.0))
+        raise AssertionError("unreachable")
+
+    def _server_version(self) -> int | None:
+        if not self._weight_info:
+            return None
+        r = self.client.get(f"{self.base_url}/weight_info")
+        if r.status_code == 404:
+            self._weight_info = False
+            return None
+        r.raise_for_status()
+        return as_version(r.json()["weight_version"])
+
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
+        start = time.perf_counter()
+        resp = self._post(request_body(prompt_ids, params, self.model))
+        tokens, logprobs, versions, finish = parse_choice(resp["choices"][0])
+        if versions is None:
+            server = self._server_version()
+            versions = np.full(len(tokens), self.version if server is None else server, np.int32)
+        if len(versions):
+            self._seen = max(self._seen, int(versions.max()))
+        return Generation(token_ids=tokens, logprobs=logprobs, versions=versions, finish_reason=finish,
+                          timing={"generate_s": time.perf_counter() - start})
+
+    def close(self) -> None:
+        self.client.close()
