@@ -1,0 +1,137 @@
+"""The `hf` generator: KV-cached decoding whose log-probs match a full forward, seeding,
+truncation, and weight swaps between decode steps (also from another thread)."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import threading
+import time
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from learner.models import tiny_llama, tiny_qwen3_moe
+from producers.generate.base import SamplingParams
+from producers.generate.hf import HFGenerator, truncate
+
+PROMPT = [1, 5, 9]
+
+
+def full_forward_logprobs(model, tokens, n_new, temperature):
+    """log_softmax(logits / T) of each generated token, from one uncached forward."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([tokens])).logits[0].float()
+    steps = logits[len(tokens) - n_new - 1:-1] / temperature
+    return torch.log_softmax(steps, -1).gather(-1, torch.tensor(tokens[-n_new:])[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_qwen3_moe])
+def test_cached_decoding_log_probs_match_a_full_forward(build):
+    model = build(seed=1)
+    gen = HFGenerator(model, seed=0)
+    out = gen.generate(PROMPT, SamplingParams(temperature=0.8, max_tokens=12))
+    assert len(out.token_ids) == 12 and out.finish_reason == "length"
+    assert out.token_ids.dtype.name == "int32" and out.logprobs.dtype.name == "float32"
+    ref = full_forward_logprobs(model, PROMPT + out.token_ids.tolist(), 12, 0.8)
+    torch.testing.assert_close(torch.from_numpy(out.logprobs), ref, atol=2e-5, rtol=1e-5)
+    assert out.versions.tolist() == [0] * 12
+
+
+def test_seed_makes_sampling_reproducible():
+    gen = HFGenerator(tiny_llama(seed=1))
+    a = gen.generate(PROMPT, SamplingParams(max_tokens=16, seed=3))
+    b = gen.generate(PROMPT, SamplingParams(max_tokens=16, seed=3))
+    c = gen.generate(PROMPT, SamplingParams(max_tokens=16, seed=4))
+    assert a.token_ids.tolist() == b.token_ids.tolist() != c.token_ids.tolist()
+    # without a per-call seed, the generator's own seeded stream decides
+    d = HFGenerator(tiny_llama(seed=1), seed=9).generate(PROMPT, SamplingParams(max_tokens=16))
+    e = HFGenerator(tiny_llama(seed=1), seed=9).generate(PROMPT, SamplingParams(max_tokens=16))
+    assert d.token_ids.tolist() == e.token_ids.tolist()
+
+
+def test_stop_token_ends_generation_and_is_kept():
+    gen = HFGenerator(tiny_llama(seed=1))
+    first = gen.generate(PROMPT, SamplingParams(max_tokens=8, seed=0))
+    stop = int(first.token_ids[2])
+    out = gen.generate(PROMPT, SamplingParams(max_tokens=8, seed=0, stop_token_ids=(stop,)))
+    cut = first.token_ids.tolist().index(stop) + 1
+    assert out.token_ids.tolist() == first.token_ids[:cut].tolist() and out.finish_reason == "stop"
+
+
+def test_truncation_by_hand():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    kept = lambda x: torch.isfinite(x).tolist()  # noqa: E731
+    assert kept(truncate(logits, top_k=2, top_p=1.0)) == [True, True, False, False]
+    assert kept(truncate(logits, top_k=0, top_p=0.8)) == [True, True, False, False]
+    assert kept(truncate(logits, top_k=0, top_p=0.81)) == [True, True, True, False]
+    assert kept(truncate(logits, top_k=0, top_p=1.0)) == [True] * 4
+
+
+def test_truncated_log_prob_is_of_the_renormalised_distribution():
+    model = tiny_llama(seed=1)
+    out = HFGenerator(model).generate(PROMPT, SamplingParams(max_tokens=6, top_k=1, seed=0))
+    assert (out.logprobs == 0.0).all()  # a single surviving token has probability 1
+    with torch.no_grad():  # and it is the greedy token
+        tokens = PROMPT + out.token_ids.tolist()
+        logits = model(input_ids=torch.tensor([tokens])).logits[0]
+    assert logits[len(PROMPT) - 1:-1].argmax(-1).tolist() == out.token_ids.tolist()
+    out = HFGenerator(model).generate(PROMPT, SamplingParams(max_tokens=6, top_k=5, seed=0))
+    full = full_forward_logprobs(model, PROMPT + out.token_ids.tolist(), 6, 1.0)
+    assert (torch.from_numpy(out.logprobs) > full).all()  # renormalised over 5 tokens
+
+
+def test_non_positive_temperature_is_refused():
+    with pytest.raises(ValueError, match="temperature"):
+        HFGenerator(tiny_llama()).generate(PROMPT, SamplingParams(temperature=0.0))
+
+
+def test_load_weights_swaps_and_records_the_version(tmp_path):
+    gen = HFGenerator(tiny_llama(seed=1))
+    other = tiny_llama(seed=2)
+    save_file(other.state_dict(), tmp_path / "w.safetensors")
+    gen.load_weights(str(tmp_path / "w.safetensors"), version=5)
+    assert gen.version == 5
+    for p, q in zip(gen.model.parameters(), other.parameters()):
+        assert torch.equal(p, q)
+    out = gen.generate(PROMPT, SamplingParams(max_tokens=3))
+    assert out.versions.tolist() == [5, 5, 5]
+    with pytest.raises(ValueError, match="older"):
+        gen.load_weights(str(tmp_path / "w.safetensors"), version=4)
+
+
+def test_a_mismatching_file_is_refused_and_the_old_weights_kept(tmp_path):
+    gen = HFGenerator(tiny_llama(seed=1))
+    before = [p.detach().clone() for p in gen.model.parameters()]
+    save_file(tiny_llama(seed=2, hidden_size=16).state_dict(), tmp_path / "bad.safetensors")
+    with pytest.raises(ValueError, match="does not match"):
+        gen.load_weights(str(tmp_path / "bad.safetensors"), version=1)
+    assert gen.version == 0
+    assert all(torch.equal(p, q) for p, q in zip(before, gen.model.parameters()))
+
+
+def test_swap_from_another_thread_lands_between_decode_steps(tmp_path):
+    """A load issued while step 3 is running applies at a later step boundary: versions go
+    0…0 then 1…1 and never back; the first three tokens were sampled before the load."""
+    model = tiny_llama(seed=1)
+    gen = HFGenerator(model)
+    path = tmp_path / "w.safetensors"
+    save_file(tiny_llama(seed=2).state_dict(), path)
+    calls, loader = [0], []
+
+    def hook(module, args, output):  # runs inside a decode step, holding the step lock
+        calls[0] += 1
+        if calls[0] == 3:
+            loader.append(threading.Thread(target=gen.load_weights, args=(str(path), 1)))
+            loader[0].start()
+            time.sleep(0.3)  # the loader reads the file and queues the swap meanwhile
+
+    handle = model.register_forward_hook(hook)
+    out = gen.generate(PROMPT, SamplingParams(max_tokens=10, seed=0))
+    handle.remove()
+    loader[0].join(timeout=10)
+    versions = out.versions.tolist()
+    assert versions[:3] == [0, 0, 0] and versions[-1] == 1
+    assert versions == sorted(versions)
+    assert gen.version == 1
