@@ -96,8 +96,9 @@ def dis_policy_loss(logp: Tensor, logp_rollout: Tensor, adv: Tensor, action_mask
 
 
 def ppo_clip_policy_loss(logp: Tensor, logp_old: Tensor, adv: Tensor, action_mask: Tensor,
-                         clip_eps: float, loss_agg: LossAgg = "token_mean") -> tuple[Tensor, dict[str, Tensor]]:
-    """loss = −Σ_t min(r_t·Â_t, clip(r_t, 1 − ε, 1 + ε)·Â_t) / N, r_t = π_θ/π_old (SAO.md §7 `grpo`).
+                         clip_eps: float,
+                         loss_agg: LossAgg = "token_mean") -> tuple[Tensor, dict[str, Tensor]]:
+    """loss = −Σ_t min(r_t·Â_t, clip(r_t, 1 − ε, 1 + ε)·Â_t) / N, r_t = π_θ/π_old (SAO.md §7).
 
     π_old is the learner's own weights at batch start, not π_rollout: staleness of the rollout
     goes unnoticed, which is what makes vanilla GRPO fragile when asynchronous.

@@ -9,7 +9,7 @@
    `sao_full_critic`;
 4. one policy step, except during the critic warm-up: DIS against π_rollout, or (`grpo`) the PPO
    clip against the learner's own weights at batch start.
-Every optimizer step backs up through `guarded_step`: loss and gradient norm must be finite, or the
+Every optimizer step goes through `guarded_step`: loss and gradient norm must be finite, or the
 gradients are dropped and the parameters and optimizer state stay bit-identical.
 
 Deliberately absent by default: KL and entropy terms (coefficients 0), advantage whitening, and
@@ -28,7 +28,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from learner.baselines import RunningMean, group_normalised_advantage
-from learner.dis import PRESETS, LossAgg, aggregate, dis_policy_loss, k3_kl, ppo_clip_policy_loss, ratio_stats
+from learner.dis import (PRESETS, LossAgg, aggregate, dis_policy_loss, k3_kl, ppo_clip_policy_loss,
+                         ratio_stats)
 from learner.gae import adaptive_lambda, skip_observation_gae, whiten
 from learner.logprobs import Batch, collate, token_logprobs
 from learner.value import ValueModel, critic_values, explained_variance, freeze_attention, value_loss
@@ -162,7 +163,8 @@ class SAOUpdate:
 
     def __init__(self, policy: nn.Module, critic: ValueModel | None, cfg: UpdateConfig):
         if cfg.uses_critic != (critic is not None):
-            raise ValueError(f"algorithm {cfg.algorithm!r} {'needs' if cfg.uses_critic else 'takes no'} critic")
+            need = "needs a" if cfg.uses_critic else "takes no"
+            raise ValueError(f"algorithm {cfg.algorithm!r} {need} critic")
         self.policy, self.critic, self.cfg = policy, critic, cfg
         self.device = next(policy.parameters()).device
         if critic is not None and cfg.algorithm != "sao_full_critic":
@@ -177,7 +179,8 @@ class SAOUpdate:
         """One learner step on a batch of scored trajectories; returns namespaced metrics."""
         batch = collate(trajs, device=self.device)
         index, self.step_count = self.step_count, self.step_count + 1
-        metrics = {"step/index": index, "reward/mean": batch.outcome.mean().item(),
+        # reward/mean: the mean trajectory return, outcome plus any per-turn rewards
+        metrics = {"step/index": index, "reward/mean": batch.rewards.sum(-1).mean().item(),
                    "step/skipped": 0, "step/policy_updated": 0, "step/critic_updates": 0}
         # 1. a NaN reward or a non-finite rollout log-prob poisons everything computed from it
         if not all_finite(batch.rewards, batch.logp_rollout[batch.action_mask]):
@@ -253,7 +256,8 @@ class SAOUpdate:
                                               cfg.loss_agg)
             # optional terms, skipped at 0 so an overflowing masked token cannot turn 0·inf into NaN
             if cfg.kl_coef:
-                loss = loss + cfg.kl_coef * aggregate(k3_kl(logp, batch.logp_rollout), mask, cfg.loss_agg)
+                kl = aggregate(k3_kl(logp, batch.logp_rollout), mask, cfg.loss_agg)
+                loss = loss + cfg.kl_coef * kl
             if cfg.entropy_coef:
                 loss = loss - cfg.entropy_coef * aggregate(entropy, mask, cfg.loss_agg)
         metrics = ({f"dis/{k}": v.item() for k, v in stats.items()}

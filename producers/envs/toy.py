@@ -33,7 +33,8 @@ def target_fraction(action_ids: list[int], target: int, n_tasks: int) -> float:
 
 def _check(vocab_size: int, n_tasks: int) -> None:
     if not 1 <= n_tasks <= vocab_size - FIRST:
-        raise ValueError(f"n_tasks={n_tasks} must be in [1, vocab_size - {FIRST}] (vocab_size={vocab_size})")
+        raise ValueError(f"n_tasks={n_tasks} must be in [1, vocab_size - {FIRST}] "
+                         f"(vocab_size={vocab_size})")
 
 
 @dataclass

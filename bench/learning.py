@@ -1,0 +1,142 @@
+"""Learning curves of SAO against grpo_dis, running_mean and grpo on the toy tasks (SAO.md §7, §8).
+
+Every method sees the same number of trajectories per step (`--batch`, default 16): the
+single-rollout methods (sao, running_mean) get 16 prompts × 1 rollout, the GRPO variants
+2 prompts × 8. Rollouts come from a separate `HFGenerator` whose weights are refreshed from the
+learner through a safetensors file every `--sync-every` steps: 1 is on-policy; k > 1 makes
+rollouts up to k − 1 versions stale, as in an asynchronous system.
+
+Prints, per task and method, the final reward (mean of the last `--final` steps; mean ± std over
+seeds) and the steps to reach 80 % of the best method's final reward (first step at which the
+20-step trailing mean gets there; mean over the seeds that do, with how many did), and writes a
+PNG of the reward curves. Run: `python bench/learning.py [--steps 300 --seeds 3 --jobs 2]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+from learner.models import tiny_llama  # noqa: E402
+from learner.update import SAOUpdate, UpdateConfig  # noqa: E402
+from learner.value import ValueModel  # noqa: E402
+from producers.envs import make_env  # noqa: E402
+from producers.episode import play_tasks  # noqa: E402
+from producers.generate.base import SamplingParams  # noqa: E402
+from producers.generate.hf import HFGenerator  # noqa: E402
+
+ALGORITHMS = ("sao", "grpo_dis", "running_mean", "grpo")
+TASKS = {"toy-target": 8, "toy-multiturn": 4}  # env → action tokens per turn
+GROUP = 8  # rollouts per prompt of the GRPO variants
+SMOOTH = 20
+
+
+def run(env_name: str, algorithm: str, seed: int, args: argparse.Namespace) -> list[float]:
+    """Mean trajectory return of each step of one training run."""
+    torch.set_num_threads(1)
+    policy = tiny_llama(seed=seed)
+    critic = ValueModel.from_policy(policy) if algorithm.startswith("sao") else None
+    update = SAOUpdate(policy, critic, UpdateConfig(algorithm=algorithm, lr_policy=args.lr_policy,
+                                                    lr_critic=args.lr_critic))
+    generator = HFGenerator(tiny_llama(seed=seed), seed=seed)
+    env, rng = make_env(env_name), random.Random(seed)
+    group = GROUP if algorithm.startswith("grpo") else 1
+    params = SamplingParams(max_tokens=TASKS[env_name])
+    curve = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for step in range(args.steps):
+            if step % args.sync_every == 0 and step:
+                save_file(policy.state_dict(), f"{tmp}/w.safetensors")
+                generator.load_weights(f"{tmp}/w.safetensors", version=step)
+            trajs = play_tasks(env, generator, params, rng, num_prompts=args.batch // group,
+                               group_size=group, id_prefix=f"{step}.")
+            metrics = update.step(trajs)
+            curve.append(metrics["reward/mean"])
+    return curve
+
+
+def steps_to(curve: list[float], target: float) -> int | None:
+    smooth = np.convolve(curve, np.ones(SMOOTH) / SMOOTH, mode="valid")  # trailing mean at i + SMOOTH − 1
+    hit = np.flatnonzero(smooth >= target)
+    return int(hit[0]) + SMOOTH if hit.size else None
+
+
+def report(curves: dict[tuple[str, str], list[list[float]]], args: argparse.Namespace) -> None:
+    print(f"{'task':<15}{'method':<14}{'final reward':>16}{'steps to 80% best':>20}")
+    for env_name in TASKS:
+        finals = {a: [statistics.fmean(c[-args.final:]) for c in curves[env_name, a]] for a in ALGORITHMS}
+        best = max(statistics.fmean(f) for f in finals.values())
+        for a in ALGORITHMS:
+            reached = [s for c in curves[env_name, a] if (s := steps_to(c, 0.8 * best)) is not None]
+            when = f"{statistics.fmean(reached):.0f} ({len(reached)}/{args.seeds})" if reached else f"never (0/{args.seeds})"
+            f = finals[a]
+            print(f"{env_name:<15}{a:<14}{statistics.fmean(f):>9.3f} ± {statistics.pstdev(f):.3f}{when:>20}")
+
+
+def plot(curves: dict[tuple[str, str], list[list[float]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(TASKS), figsize=(6 * len(TASKS), 4), squeeze=False)
+    for ax, env_name in zip(axes[0], TASKS):
+        for a in ALGORITHMS:
+            runs = np.array([np.convolve(c, np.ones(SMOOTH) / SMOOTH, mode="valid") for c in curves[env_name, a]])
+            x = np.arange(runs.shape[1]) + SMOOTH
+            ax.plot(x, runs.mean(0), label=a)
+            ax.fill_between(x, runs.min(0), runs.max(0), alpha=0.2)
+        ax.set(title=env_name, xlabel="learner step", ylabel=f"reward ({SMOOTH}-step mean)", ylim=(0, 1))
+        ax.legend()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=16, help="trajectories per step, a multiple of 8")
+    parser.add_argument("--sync-every", type=int, default=1, help="steps between generator weight loads")
+    parser.add_argument("--lr-policy", type=float, default=3e-3)
+    parser.add_argument("--lr-critic", type=float, default=3e-3)
+    parser.add_argument("--final", type=int, default=50, help="steps averaged into the final reward")
+    parser.add_argument("--jobs", type=int, default=2, help="runs in parallel, one CPU thread each")
+    parser.add_argument("--png", type=Path, default=Path("runs/bench/learning.png"))
+    args = parser.parse_args()
+    if args.batch % GROUP:
+        parser.error(f"--batch must be a multiple of {GROUP}")
+    print(f"learning: tiny Llama (vocab 64, hidden 32, 2 layers), {args.steps} steps x {args.batch} "
+          f"trajectories, GRPO groups of {GROUP}, sync every {args.sync_every}, lr {args.lr_policy:g} "
+          f"policy / {args.lr_critic:g} critic, seeds 0..{args.seeds - 1}  [{platform.machine()}, "
+          f"{os.cpu_count()} cores, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}]")
+    jobs = [(e, a, s) for e in TASKS for a in ALGORITHMS for s in range(args.seeds)]
+    start = time.perf_counter()
+    with ProcessPoolExecutor(args.jobs) as pool:
+        results = list(pool.map(run, *zip(*jobs), [args] * len(jobs)))
+    curves: dict[tuple[str, str], list[list[float]]] = {}
+    for (e, a, _), curve in zip(jobs, results):
+        curves.setdefault((e, a), []).append(curve)
+    report(curves, args)
+    plot(curves, args.png)
+    print(f"wrote {args.png} ({time.perf_counter() - start:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
