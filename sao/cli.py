@@ -17,6 +17,10 @@ from schemas.config import parse
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "broker": ("sao.broker", "BrokerConfig", "run the embedded Apache Kafka broker (KRaft) on loopback"),
     "demo": ("sao.demo", "DemoConfig", "broker + topics + a visible produce -> consume round trip"),
+    "producer": ("producers.service", "ProducerConfig", "play prompts from sao.prompts, publish trajectories"),
+    "feed": ("producers.feeder", "FeedConfig", "publish prompts (JSONL or env generator) with backpressure"),
+    "serve": ("producers.serve", "ServeConfig", "completions endpoint over the hf backend, following sao.weights"),
+    "learner": ("learner.service", "LearnerConfig", "streaming SAO learner: trajectories in, FSDP2 training, weights out"),
 }
 
 

@@ -1,0 +1,58 @@
+"""What the learner shows: a JSONL line and a terminal progress line per step, Prometheus gauges."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+
+def staleness_metrics(staleness: list[int]) -> dict:
+    """`stale/p50|p99|max` and the step's histogram {staleness: count}."""
+    if not staleness:
+        return {}
+    s = np.asarray(staleness)
+    return {"stale/p50": float(np.percentile(s, 50)), "stale/p99": float(np.percentile(s, 99)),
+            "stale/max": int(s.max()), "stale/hist": {str(k): v for k, v in sorted(Counter(s.tolist()).items())}}
+
+
+class Telemetry:
+    def __init__(self, run_dir: Path, metrics_port: int = 0):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        self.gauges: dict = {}
+        self.start = time.monotonic()
+        if metrics_port:
+            from prometheus_client import start_http_server
+            start_http_server(metrics_port)
+
+    def _gauge(self, key: str):
+        from prometheus_client import Gauge
+        if key not in self.gauges:
+            name = "sao_learner_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)
+            self.gauges[key] = Gauge(name, f"learner metric {key}")
+        return self.gauges[key]
+
+    def record(self, metrics: dict) -> None:
+        self.jsonl.write(json.dumps(metrics, allow_nan=True) + "\n")
+        for key, value in metrics.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._gauge(key).set(value)
+        m = metrics
+        line = (f"step {m['step/index']:>6} v{m['weights/version']:<5} "
+                f"reward {m.get('reward/mean', math.nan):+.3f} "
+                f"loss π {m.get('loss/policy', math.nan):+.4f} V {m.get('loss/value', math.nan):.4f} "
+                f"kept {m.get('dis/kept_frac', math.nan):.4f} "
+                f"{m['perf/tokens_per_s']:>8.0f} tok/s lag {m['kafka/lag']:>5} "
+                f"dlq {m['count/dlq']} stale {m['count/stale']} dup {m['count/duplicate']}"
+                f"{' SKIPPED' if m.get('step/skipped') else ''}")
+        print(line, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        self.jsonl.close()

@@ -1,0 +1,107 @@
+"""Helpers for the learner-service tests: real rollouts of the tiny model, and `sao learner` runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from learner.models import tiny_llama
+from producers.envs import make_env
+from producers.episode import play_tasks
+from producers.generate.base import SamplingParams
+from producers.generate.hf import HFGenerator
+from schemas import topics as T
+from schemas.kafka import KafkaConfig, make_consumer, make_producer, produce
+from schemas.messages import Weights
+
+ROOT = Path(__file__).resolve().parents[2]
+PARAMS = SamplingParams(max_tokens=6, temperature=1.0)
+
+
+def rollouts(n: int, *, seed: int = 0, id_prefix: str = "r", model=None, version: int = 0) -> list:
+    """`n` toy-target trajectories sampled by the tiny Llama (the learner's initial weights)."""
+    gen = HFGenerator(model or tiny_llama(seed=0), version=version, seed=seed)
+    env = make_env("toy-target", vocab_size=64)
+    return play_tasks(env, gen, PARAMS, random.Random(seed), num_prompts=n, id_prefix=id_prefix)
+
+
+def publish(cfg: KafkaConfig, payloads: list[bytes], key: bytes | None = b"one-partition") -> None:
+    """Produce in order; one key keeps them on one partition, so the consumption order is fixed."""
+    producer = make_producer(cfg)
+    for p in payloads:
+        produce(producer, cfg.topic(T.TRAJECTORIES), p, key=key)
+    assert producer.flush(60) == 0
+
+
+def learner_cmd(cfg: KafkaConfig, run_dir: Path, *flags: str, nproc: int = 1) -> list[str]:
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                 "--master-port", str(_free_port()), "-m", "learner.service"] if nproc > 1
+                else [sys.executable, "-m", "sao", "learner"])
+    return [*launcher, "--run-dir", str(run_dir / "learner"), "--weights-dir", str(run_dir / "weights"),
+            "--kafka.bootstrap", cfg.bootstrap, "--kafka.topic-prefix", cfg.topic_prefix,
+            "--update.warmup-steps", "0", *flags]
+
+
+def _free_port() -> int:
+    from sao.broker import free_port
+    return free_port()
+
+
+def run_learner(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SAO_LOG_LEVEL": "WARNING"}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return out
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "learner" / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def announcements(cfg: KafkaConfig, timeout: float = 30) -> list[Weights]:
+    """Every weights announcement on the topic, in order."""
+    consumer = make_consumer(cfg, f"reader-{time.time_ns()}")
+    consumer.subscribe([cfg.topic(T.WEIGHTS)])
+    got, idle_until = [], time.monotonic() + timeout
+    try:
+        while time.monotonic() < idle_until:
+            msg = consumer.poll(0.5)
+            if msg is None or msg.error():
+                continue
+            got.append(Weights.decode(msg.value()))
+            idle_until = time.monotonic() + 3  # settle: nothing more for 3 s
+    finally:
+        consumer.close()
+    return got
+
+
+def load_weights(w: Weights) -> dict[str, torch.Tensor]:
+    import hashlib
+    from urllib.parse import urlparse
+    path = urlparse(w.uri).path
+    data = Path(path).read_bytes()
+    assert hashlib.sha256(data).hexdigest() == w.sha256 and len(data) == w.num_bytes
+    return load_file(path)
+
+
+def assert_close_state(a: dict, b: dict, rtol: float) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=rtol, atol=rtol, msg=k)
+
+
+def final_policy(run_dir: Path) -> dict[str, torch.Tensor]:
+    ckpts = sorted((run_dir / "learner" / "checkpoints").glob("step*.pt"))
+    return torch.load(ckpts[-1], weights_only=True)["policy"]
+
+
