@@ -25,9 +25,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from confluent_kafka import OFFSET_BEGINNING, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, TopicPartition
 
 from producers.generate.base import Generator
+from producers.retry import retrying
 from schemas import topics as T
 from schemas.kafka import KafkaConfig, make_consumer
 from schemas.messages import SchemaError, Weights
@@ -75,25 +76,6 @@ def newest_first(announcements: Sequence[Weights], current: int) -> list[Weights
     one per version (the last announcement of a version wins)."""
     by_version = {w.version: w for w in announcements if w.version > current}
     return [by_version[v] for v in sorted(by_version, reverse=True)]
-
-
-# not flagged retriable by librdkafka, yet transient while a just-created topic elects its leader
-_NO_LEADER_YET = {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE,
-                  KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_PARTITION}
-
-
-def _watermarks(consumer, tp: TopicPartition, timeout: float = 60.0) -> tuple[int, int]:
-    """(low, high) of `tp`, retrying retriable errors (a fresh topic has no leader yet) with backoff."""
-    deadline, backoff = time.monotonic() + timeout, 0.1
-    while True:
-        try:
-            return consumer.get_watermark_offsets(tp, timeout=5, cached=False)
-        except KafkaException as e:
-            if e.args[0].code() not in _NO_LEADER_YET and not e.args[0].retriable() \
-                    or time.monotonic() > deadline:
-                raise
-            time.sleep(backoff)
-            backoff = min(2 * backoff, 2.0)
 
 
 class WeightSubscriber:
@@ -153,7 +135,7 @@ class WeightSubscriber:
             return None
 
     def _catch_up(self, consumer, tp: TopicPartition) -> None:
-        _, high = _watermarks(consumer, tp)
+        _, high = retrying(lambda: consumer.get_watermark_offsets(tp, timeout=5, cached=False))
         backlog, position = [], -1
         while position < high - 1 and not self._stop.is_set():
             msg = consumer.poll(self.poll_s)

@@ -41,3 +41,35 @@ def wait_until(predicate, timeout: float = 30.0, every: float = 0.05) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError("condition not met in time")
         time.sleep(every)
+
+
+def read_topic(kafka: KafkaConfig, topic: T.Topic, n: int, timeout: float = 60.0, until=None) -> list:
+    """The first n decoded messages of a topic (all partitions), read by a throwaway group;
+    with `until`, read until `until(messages)` holds instead."""
+    import uuid
+
+    from schemas.kafka import make_consumer
+    from schemas.messages import decode
+
+    consumer = make_consumer(kafka, f"test-read-{uuid.uuid4().hex}")
+    consumer.subscribe([kafka.topic(topic)])
+    out, deadline = [], time.monotonic() + timeout
+    try:
+        while not (until(out) if until else len(out) >= n) and time.monotonic() < deadline:
+            msg = consumer.poll(0.5)
+            if msg is not None and not msg.error():
+                out.append(decode(msg.value()))
+    finally:
+        consumer.close()
+    return out
+
+
+def publish_prompts(kafka: KafkaConfig, values: list) -> None:
+    """Publish prompts (or raw bytes) to the prompts topic and wait for the acks."""
+    producer = make_producer(kafka)
+    for v in values:
+        if isinstance(v, bytes):
+            produce(producer, kafka.topic(T.PROMPTS), v, key=b"raw")
+        else:
+            produce(producer, kafka.topic(T.PROMPTS), v.encode(), key=v.key)
+    assert producer.flush(30) == 0

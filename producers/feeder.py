@@ -1,0 +1,154 @@
+"""`sao feed`: publish prompts to `sao.prompts` with backpressure.
+
+Prompts come from a JSONL file (one object per line: `{"task": {...}}`, optionally with `id` and
+`env`, or a bare task map) or from the environment's own task generator. The feeder keeps the
+number of unfinished prompts (published, not yet committed by the producers' group) at or below
+`max_unfinished`, so prompts wait in the feeder rather than pile up in the topic while producers
+are slow or absent:
+
+    unfinished = Σ over partitions (high watermark − committed offset of group `sao-producers`)
+
+with a partition the group never committed counted from its low watermark. A bad JSONL line is
+logged, counted and skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from confluent_kafka import TopicPartition
+
+from producers.envs import ENVS, make_env
+from producers.retry import retrying
+from schemas import topics as T
+from schemas.config import ConfigError
+from schemas.kafka import KafkaConfig, ensure_topics, make_consumer, make_producer, produce
+from schemas.messages import Prompt
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class FeedConfig:
+    env: str = "toy-target"
+    """Environment of the prompts (and their generator when no --jsonl is given)."""
+    jsonl: str = ""
+    """JSONL file of prompts; empty: sample tasks from the environment."""
+    count: int = 0
+    """Prompts to publish in all (0: the whole file, or forever from the generator)."""
+    max_unfinished: int = 64
+    """Most prompts published but not yet finished by the producers."""
+    group: str = "sao-producers"
+    """Consumer group whose committed offsets mark prompts finished."""
+    seed: int = 0
+    """Seed of the task generator."""
+    poll_s: float = 0.5
+    """Seconds between backpressure checks while the bound is reached."""
+    wait_done: bool = False
+    """After the last prompt, wait until every prompt is finished."""
+    kafka: KafkaConfig = field(default_factory=KafkaConfig)
+
+    def __post_init__(self):
+        if self.env not in ENVS:
+            raise ConfigError(f"--env {self.env!r}: unknown; known: {sorted(ENVS)}")
+        if self.max_unfinished < 1:
+            raise ConfigError("--max-unfinished must be >= 1")
+
+
+def unfinished(high: Mapping[int, int], low: Mapping[int, int], committed: Mapping[int, int]) -> int:
+    """Prompts published but not committed, over partitions; a negative committed offset means
+    the group never committed there."""
+    return sum(h - max(committed.get(p, -1), low.get(p, 0)) for p, h in high.items())
+
+
+def prompts_from_jsonl(path: Path, env: str, errors: list[str]) -> Iterator[Prompt]:
+    with path.open() as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+                task = obj.get("task", obj) if isinstance(obj, dict) else None
+                if not isinstance(task, dict):
+                    raise ValueError("expected a JSON object (a task, or {\"task\": {...}})")
+                yield Prompt(id=str(obj.get("id") or f"{env}-{uuid.uuid4().hex}"), env=obj.get("env", env),
+                             task=task)
+            except ValueError as e:
+                errors.append(f"{path}:{n}: {e}")
+                log.error("skipping %s:%d: %s", path, n, e)
+
+
+def prompts_from_env(env_name: str, seed: int) -> Iterator[Prompt]:
+    env, rng = make_env(env_name), random.Random(seed)
+    while True:
+        yield Prompt(id=f"{env_name}-{uuid.uuid4().hex}", env=env_name, task=env.sample_task(rng))
+
+
+class Backlog:
+    """Reads the unfinished count of one group on the prompts topic."""
+
+    def __init__(self, kafka: KafkaConfig, group: str):
+        self.topic = kafka.topic(T.PROMPTS)
+        self.consumer = make_consumer(kafka, group)  # never subscribes: reads the group's commits only
+        parts = self.consumer.list_topics(self.topic, timeout=30).topics[self.topic].partitions
+        self.tps = [TopicPartition(self.topic, p) for p in sorted(parts)]
+
+    def count(self) -> int:
+        marks = {tp.partition: retrying(lambda: self.consumer.get_watermark_offsets(tp, timeout=5, cached=False))
+                 for tp in self.tps}
+        committed = {tp.partition: tp.offset
+                     for tp in retrying(lambda: self.consumer.committed(self.tps, timeout=10))}
+        return unfinished({p: h for p, (_, h) in marks.items()}, {p: lo for p, (lo, _) in marks.items()},
+                          committed)
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+def run(cfg: FeedConfig, stop: threading.Event | None = None) -> int:
+    """Publish prompts; returns how many were published."""
+    stop = stop or threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+    ensure_topics(cfg.kafka)
+    errors: list[str] = []
+    source = prompts_from_jsonl(Path(cfg.jsonl), cfg.env, errors) if cfg.jsonl else prompts_from_env(cfg.env, cfg.seed)
+    producer, backlog = make_producer(cfg.kafka), Backlog(cfg.kafka, cfg.group)
+    topic, sent, exhausted = cfg.kafka.topic(T.PROMPTS), 0, False
+    try:
+        while not stop.is_set() and not exhausted:
+            producer.flush(30)  # the watermarks must include what we sent
+            room = cfg.max_unfinished - backlog.count()
+            for _ in range(max(room, 0)):
+                prompt = None if cfg.count and sent >= cfg.count else next(source, None)
+                if prompt is None:
+                    exhausted = True
+                    break
+                produce(producer, topic, prompt.encode(), key=prompt.key, on_delivery=_check)
+                sent += 1
+            if room <= 0:
+                stop.wait(cfg.poll_s)
+        producer.flush(30)
+        log.info("published %d prompts (%d bad lines skipped)", sent, len(errors))
+        while cfg.wait_done and not stop.is_set() and (left := backlog.count()) > 0:
+            log.info("waiting for %d unfinished prompts", left)
+            stop.wait(cfg.poll_s)
+    finally:
+        producer.flush(30)
+        backlog.close()
+    return sent
+
+
+def _check(err, msg) -> None:
+    if err is not None:
+        log.error("prompt delivery failed: %s", err)

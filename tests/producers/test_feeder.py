@@ -1,0 +1,97 @@
+"""The prompt feeder: the backlog formula, JSONL input, and backpressure on the real broker."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+from hypothesis import given, strategies as st
+
+from producers.feeder import Backlog, FeedConfig, prompts_from_jsonl, run, unfinished
+from schemas import topics as T
+from schemas.kafka import make_consumer
+from schemas.messages import Prompt
+from tests.producers.util import wait_until
+
+
+def test_unfinished_hand_case():
+    high = {0: 10, 1: 5, 2: 0}
+    low = {0: 0, 1: 2, 2: 0}
+    committed = {0: 7, 1: -1001}  # partition 1: never committed -> counted from its low watermark
+    assert unfinished(high, low, committed) == (10 - 7) + (5 - 2) + 0
+
+
+@given(st.lists(st.tuples(st.integers(0, 100), st.integers(0, 100), st.integers(0, 100)), max_size=12))
+def test_unfinished_is_published_minus_finished(parts):
+    high, low, committed = {}, {}, {}
+    for p, (a, b, c) in enumerate(parts):
+        lo, co, hi = sorted((a, b, c))
+        high[p], low[p], committed[p] = hi, lo, co
+    assert unfinished(high, low, committed) == sum(high[p] - committed[p] for p in high)
+    assert unfinished(high, low, {}) == sum(high[p] - low[p] for p in high)
+
+
+def test_jsonl_lines_become_prompts_and_bad_lines_are_skipped(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join([json.dumps({"id": "a", "task": {"target": 1}}),
+                               "not json",
+                               json.dumps({"target": 2}),
+                               json.dumps([1, 2]),
+                               "",
+                               json.dumps({"task": {"question": "q", "answer": 1}, "env": "math"})]))
+    errors = []
+    prompts = list(prompts_from_jsonl(path, "toy-target", errors))
+    assert [p.task for p in prompts] == [{"target": 1}, {"target": 2}, {"question": "q", "answer": 1}]
+    assert prompts[0].id == "a" and prompts[1].id.startswith("toy-target-")
+    assert [p.env for p in prompts] == ["toy-target", "toy-target", "math"]
+    assert [e.split(":")[1] for e in errors] == ["2", "4"]
+
+
+def _finish(kafka_cfg, n: int) -> list[Prompt]:
+    """Play the producers' group: consume n prompts and commit them."""
+    consumer = make_consumer(kafka_cfg, "sao-producers")
+    consumer.subscribe([kafka_cfg.topic(T.PROMPTS)])
+    got = []
+    try:
+        while len(got) < n:
+            msg = consumer.poll(1.0)
+            if msg is None or msg.error():
+                continue
+            got.append(Prompt.decode(msg.value()))
+            consumer.store_offsets(msg)
+        consumer.commit(asynchronous=False)
+    finally:
+        consumer.close()
+    return got
+
+
+def test_backpressure_bounds_unfinished_prompts(kafka_cfg):
+    stop = threading.Event()
+    cfg = FeedConfig(env="toy-target", max_unfinished=5, poll_s=0.1, kafka=kafka_cfg)
+    feeder = threading.Thread(target=run, args=(cfg, stop))
+    feeder.start()
+    backlog = Backlog(kafka_cfg, "sao-producers")
+    try:
+        wait_until(lambda: backlog.count() == 5)
+        stop.wait(1.0)
+        assert backlog.count() == 5  # no producers: the feeder waits rather than flood the topic
+        _finish(kafka_cfg, 3)
+        wait_until(lambda: backlog.count() == 5)  # refilled to the bound, not beyond
+        stop.wait(0.5)
+        published = sum(backlog.consumer.get_watermark_offsets(tp, cached=False)[1] for tp in backlog.tps)
+        assert published == 8
+    finally:
+        stop.set()
+        feeder.join(30)
+        backlog.close()
+
+
+def test_a_counted_feed_publishes_exactly_count_and_waits_until_done(kafka_cfg):
+    cfg = FeedConfig(env="math", count=4, max_unfinished=10, poll_s=0.1, wait_done=True, kafka=kafka_cfg)
+    result = []
+    feeder = threading.Thread(target=lambda: result.append(run(cfg)))
+    feeder.start()
+    prompts = _finish(kafka_cfg, 4)
+    feeder.join(60)
+    assert result == [4] and not feeder.is_alive()
+    assert all(p.env == "math" and isinstance(p.task["answer"], int) for p in prompts)

@@ -1,0 +1,175 @@
+"""`sao producer` on the real broker: in-process for the message paths, as `sao producer`
+processes for SIGTERM, SIGKILL and elastic scaling."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import numpy as np
+from prometheus_client import generate_latest
+
+from producers.feeder import Backlog
+from producers.metrics import ProducerMetrics
+from producers.service import ProducerConfig, run
+from schemas import topics as T
+from schemas.messages import DeadLetter, Prompt, Trajectory
+from tests.producers.util import publish_prompts, read_topic, wait_until
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _prompts(env: str, tasks: list[dict]) -> list[Prompt]:
+    return [Prompt(id=f"p{i}-{uuid.uuid4().hex[:6]}", env=env, task=t) for i, t in enumerate(tasks)]
+
+
+def test_prompts_become_trajectories_and_bad_prompts_go_to_the_dlq(kafka_cfg):
+    good = _prompts("toy-target", [{"target": i % 4} for i in range(5)])
+    bad = [b"\xc1 not msgpack", *_prompts("math", [{"question": "q", "answer": 1}]),
+           *_prompts("toy-target", [{"no-target": 1}])]
+    publish_prompts(kafka_cfg, good + bad)
+    cfg = ProducerConfig(env="toy-target", model="tiny-llama", max_tokens=8, max_prompts=len(good) + len(bad),
+                         producer_id="prod-a", kafka=kafka_cfg)
+    run(cfg)
+    trajs = read_topic(kafka_cfg, T.TRAJECTORIES, len(good))
+    assert sorted(t.prompt_id for t in trajs) == sorted(p.id for p in good)
+    for t in trajs:
+        assert isinstance(t, Trajectory) and t.producer_id == "prod-a" and t.id == f"{t.prompt_id}#0"
+        assert t.reward is not None and (t.versions[t.action_mask == 1] == 0).all()
+    dead = read_topic(kafka_cfg, T.DLQ, 3)
+    assert all(isinstance(d, DeadLetter) for d in dead)
+    errors = " | ".join(d.error for d in dead)
+    assert "MessagePack" in errors and "plays 'toy-target', not 'math'" in errors and "task" in errors
+    assert {d.payload for d in dead} == {bad[0], bad[1].encode(), bad[2].encode()}
+    backlog = Backlog(kafka_cfg, "sao-producers")
+    assert backlog.count() == 0  # every offset, bad ones included, committed
+    backlog.close()
+
+
+def test_unrewarded_trajectories_go_to_the_pending_topic(kafka_cfg):
+    prompts = _prompts("writing", [{"instruction": "Write a haiku about tea."}] * 2)
+    publish_prompts(kafka_cfg, prompts)
+    run(ProducerConfig(env="writing", model="tiny-llama-bytes", max_tokens=6, max_prompts=2, kafka=kafka_cfg))
+    pending = read_topic(kafka_cfg, T.PENDING, 2)
+    assert sorted(t.prompt_id for t in pending) == sorted(p.id for p in prompts)
+    assert all(t.reward is None for t in pending)
+    assert read_topic(kafka_cfg, T.TRAJECTORIES, 1, timeout=3) == []
+
+
+def test_python_tool_producer_plays_with_the_sandbox(kafka_cfg):
+    publish_prompts(kafka_cfg, _prompts("python-tool", [{"question": "What is 2 + 2?", "answer": 4}]))
+    run(ProducerConfig(env="python-tool", model="tiny-llama-bytes", max_tokens=6, max_turns=2, max_prompts=1,
+                       kafka=kafka_cfg))
+    [traj] = read_topic(kafka_cfg, T.TRAJECTORIES, 1)
+    assert traj.env == "python-tool" and traj.reward in (0.0, 1.0)
+
+
+def test_metrics_are_served_and_named():
+    port = free_port()
+    metrics = ProducerMetrics("m", port=port, log_every_s=0)
+    try:
+        traj = Trajectory(id="t", prompt_id="p", env="e", producer_id="m", tokens=np.array([1, 2, 3], np.int32),
+                          action_mask=np.array([0, 1, 1], np.uint8),
+                          rollout_logprobs=np.array([0, -1, -1], np.float32),
+                          versions=np.array([-1, 4, 4], np.int32), prompt_len=1, reward=1.0)
+        metrics.episode(traj)
+        metrics.error("undecodable")
+        metrics.tick(4)
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        assert "sao_producer_episodes_total 1.0" in text and "sao_producer_action_tokens_total 2.0" in text
+        assert 'sao_producer_errors_total{kind="undecodable"} 1.0' in text
+        assert "sao_producer_weight_version 4.0" in text
+        assert generate_latest(metrics.registry).decode().count("sao_producer") > 5
+    finally:
+        metrics.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """A `sao producer` child process whose log lines are collected as they come."""
+
+    def __init__(self, kafka_cfg, name: str, *args: str):
+        env = {**os.environ, "SAO_KAFKA_BOOTSTRAP": kafka_cfg.bootstrap,
+               "SAO_KAFKA_TOPIC_PREFIX": kafka_cfg.topic_prefix, "HF_HUB_OFFLINE": "1",
+               "OMP_NUM_THREADS": "1"}
+        self.p = subprocess.Popen([sys.executable, "-m", "sao", "producer", "--producer-id", name, *args],
+                                  cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        threading.Thread(target=lambda: self.lines.extend(self.p.stderr), daemon=True).start()
+
+    def started(self) -> list[str]:
+        if self.p.poll() not in (None, 0, -signal.SIGKILL):
+            raise RuntimeError(f"producer exited {self.p.returncode}:\n{''.join(self.lines[-30:])}")
+        return [line.split("prompt ")[1].split()[0] for line in self.lines if "episode start" in line]
+
+    def stop(self, sig=signal.SIGTERM, timeout=60) -> int:
+        self.p.send_signal(sig)
+        return self.p.wait(timeout)
+
+
+def test_sigterm_finishes_the_episode_in_flight_then_commits_and_exits(kafka_cfg):
+    prompts = _prompts("toy-target", [{"target": 1}, {"target": 2}])
+    publish_prompts(kafka_cfg, prompts)
+    proc = Proc(kafka_cfg, "term", "--env", "toy-target", "--model", "tiny-llama", "--max-tokens", "1000")
+    try:
+        wait_until(lambda: proc.started() or proc.p.poll() is not None, timeout=120)
+        assert proc.stop(signal.SIGTERM) == 0, "".join(proc.lines[-20:])
+    finally:
+        proc.p.kill()
+    [in_flight] = proc.started()  # it took no second prompt after the signal
+    [traj] = read_topic(kafka_cfg, T.TRAJECTORIES, 1)
+    assert traj.prompt_id == in_flight and len(traj.tokens) > 500  # finished, not cut short
+    backlog = Backlog(kafka_cfg, "sao-producers")
+    assert backlog.count() == 1  # the finished prompt is committed, the other one is still waiting
+    backlog.close()
+
+
+def test_elastic_scaling_with_a_member_killed_mid_episode_loses_no_prompt(kafka_cfg):
+    args = ("--env", "toy-target", "--model", "tiny-llama", "--max-tokens", "150", "--no-follow-weights")
+    stop, published = threading.Event(), []
+
+    def flow():  # a prompt every 0.6 s (about one producer's pace) until the scaling is over
+        while not stop.wait(0.6):
+            prompt = _prompts("toy-target", [{"target": len(published) % 4}])[0]
+            publish_prompts(kafka_cfg, [prompt])
+            published.append(prompt.id)
+
+    flowing = threading.Thread(target=flow)
+    flowing.start()
+    procs = {"a": Proc(kafka_cfg, "a", *args)}
+    try:
+        wait_until(lambda: len(procs["a"].started()) >= 2, timeout=120)
+        procs["b"], procs["c"] = Proc(kafka_cfg, "b", *args), Proc(kafka_cfg, "c", *args)  # scale out
+        wait_until(lambda: procs["b"].started() and procs["c"].started(), timeout=120)
+        seen = len(procs["c"].started())
+        wait_until(lambda: len(procs["c"].started()) > seen, timeout=60)  # an episode just began
+        killed = procs["c"].started()[-1]
+        procs["c"].stop(signal.SIGKILL)  # mid-episode: its prompt was never committed
+        stop.wait(3.0)
+        stop.set()
+        flowing.join()
+        prompts = set(published)
+        trajs = read_topic(kafka_cfg, T.TRAJECTORIES, 0, timeout=90,
+                           until=lambda ts: prompts <= {t.prompt_id for t in ts})
+        done = {t.prompt_id for t in trajs}
+        assert prompts <= done, f"lost {sorted(prompts - done)} of {len(prompts)}"
+        assert {t.producer_id for t in trajs if t.prompt_id == killed} <= {"a", "b"}  # redone elsewhere
+        assert {t.producer_id for t in trajs} >= {"a", "b", "c"}
+        assert procs["a"].stop() == 0 and procs["b"].stop() == 0
+    finally:
+        stop.set()
+        for proc in procs.values():
+            proc.p.kill()
