@@ -32,3 +32,32 @@ def test_building_a_model_leaves_the_global_rng_alone():
     torch.manual_seed(0)
     load_model("tiny-llama", seed=9)
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_smollm2_plays_a_math_episode_with_chat_template_stop_token_and_exact_logprobs():
+    """The one test that loads the real model (~20 s): GGUF de-quantized offline, ChatML prompt,
+    <|im_end|> as the stop token, log-probs the learner's recomputation reproduces."""
+    from learner.logprobs import collate, token_logprobs
+    from producers.envs import make_env
+    from producers.envs.chat import Chat
+    from producers.episode import TrajectoryIds, run_episode
+    from producers.generate.base import SamplingParams
+    from producers.generate.hf import HFGenerator
+
+    tok, model = load_tokenizer("smollm2"), load_model("smollm2")
+    chat = Chat(tok)
+    assert tok.convert_tokens_to_ids("<|im_end|>") in chat.stop_token_ids()
+    env = make_env("math", tokenizer=tok)
+    task = {"question": "What is 2 + 3?", "answer": 5}
+    params = SamplingParams(temperature=0.7, max_tokens=40, stop_token_ids=chat.stop_token_ids(), seed=0)
+    traj = run_episode(env.episode(task), HFGenerator(model, seed=0), params,
+                       TrajectoryIds(id="t", prompt_id="p", env="math", producer_id="test"))
+    prompt = tok.decode(traj.tokens[:traj.prompt_len].tolist())
+    assert prompt.startswith("<|im_start|>system") and "What is 2 + 3?" in prompt
+    assert prompt.endswith("<|im_start|>assistant\n")
+    assert traj.finish_reason == "length" or int(traj.tokens[-1]) in chat.stop_token_ids()
+    batch = collate([traj])
+    with torch.no_grad():
+        logp, _ = token_logprobs(model, batch, temperature=0.7)
+    acted = batch.action_mask
+    assert float((logp[acted] - batch.logp_rollout[acted]).abs().max()) < 1e-4
