@@ -42,7 +42,7 @@ class ValueModel(nn.Module):
     def forward(self, **inputs: Tensor) -> Tensor:
         """Per-position value (…, T) in float32 of the state after reading each token."""
         hidden = self.backbone(**inputs, use_cache=False).last_hidden_state
-        return self.head(hidden).squeeze(-1).float()
+        return self.head(hidden.float()).squeeze(-1)  # the head stays fp32 under a bf16 backbone
 
 
 def critic_values(critic: ValueModel, batch: Batch, *, packed: bool = False) -> Tensor:
