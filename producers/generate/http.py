@@ -119,10 +119,12 @@ class HttpGenerator:
         self._announced = max(self._announced, version)
 
     def _post(self, body: dict) -> dict:
-        """POST with bounded backoff on transport errors and 5xx; 4xx is our bug and raises."""
+        """POST with bounded backoff on transport errors and 5xx; a 4xx raises InvalidGeneration."""
         for attempt in range(self.retries + 1):
             try:
                 r = self.client.post(f"{self.base_url}/v1/completions", json=body)
+                if 400 <= r.status_code < 500:  # this request is refused: the prompt goes to the DLQ
+                    raise InvalidGeneration(f"server refused the request ({r.status_code}): {r.text[:300]}")
                 if r.status_code < 500:
                     r.raise_for_status()
                     return r.json()

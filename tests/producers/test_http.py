@@ -79,3 +79,21 @@ def test_announced_version_is_the_fallback_tag():
     gen.load_weights("/not/read", 7)
     gen.load_weights("/not/read", 5)
     assert gen.version == 7
+
+
+def test_a_refused_request_is_an_invalid_generation_not_a_crash():
+    import threading
+
+    from producers.generate.hf import HFGenerator
+    from producers.models import load_model
+    from producers.serve import make_server
+
+    server = make_server(HFGenerator(load_model("tiny-llama")), None, port=0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        gen = HttpGenerator("http://%s:%d" % server.server_address[:2])
+        with pytest.raises(InvalidGeneration, match="400.*vocabulary"):
+            gen.generate([1, 10_000], SamplingParams(max_tokens=2))
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -10,6 +10,8 @@ import torch
 from hypothesis import given, strategies as st
 from transformers import DynamicCache
 
+from producers.envs import make_env
+from producers.episode import TrajectoryIds, run_episode
 from producers.generate.base import SamplingParams
 from producers.generate.hf import HFGenerator
 from producers.models import load_model
@@ -139,27 +141,32 @@ def test_weights_published_mid_episode_are_picked_up_between_decode_steps(kafka_
         if len(steps) > 5 and gen.version == 0:
             time.sleep(0.01)
 
+    episode = make_env("toy-target").episode({"target": 1})
+    ids = TrajectoryIds(id="t", prompt_id="p", env="toy-target", producer_id="test")
     try:
         assert sub.caught_up.wait(30)
         handle = gen.model.register_forward_pre_hook(pace, with_kwargs=True)
-        out = gen.generate(PROMPT, SamplingParams(temperature=1.0, max_tokens=400, seed=0))
+        traj = run_episode(episode, gen, SamplingParams(temperature=1.0, max_tokens=400, seed=0), ids)
         handle.remove()
     finally:
         sub.close()
-    versions = out.versions
+    n = traj.prompt_len
+    assert (traj.versions[:n] == -1).all()
+    versions = traj.versions[n:]
     switch = int(np.argmax(versions == 1))
     assert versions[0] == 0 and versions[-1] == 1 and 5 <= switch < len(versions) - 1
     assert (versions[:switch] == 0).all() and (versions[switch:] == 1).all()
     # Replay: old weights up to the swap (their KV cache is kept, as in the generator), new after.
-    seq = torch.tensor([PROMPT + out.token_ids.tolist()])
-    first = len(PROMPT) + switch - 1  # input position whose logits sampled the first new token
+    seq = torch.from_numpy(traj.tokens).long()[None]
+    first = n + switch - 1  # input position whose logits sampled the first new-version token
     with torch.no_grad():
         cache = DynamicCache(config=old.config)
         before = old(seq[:, :first], past_key_values=cache, use_cache=True).logits
         after = new(seq[:, first:], past_key_values=cache, use_cache=True).logits
-        logits = torch.cat([before, after], 1)[0, len(PROMPT) - 1:-1].float()
-        replay = torch.log_softmax(logits, -1).gather(-1, seq[0, len(PROMPT):, None])[:, 0].numpy()
-        old_only = torch.log_softmax(old(seq).logits[0, len(PROMPT) - 1:-1].float(), -1)
-        old_only = old_only.gather(-1, seq[0, len(PROMPT):, None])[:, 0].numpy()
-    np.testing.assert_allclose(out.logprobs, replay, atol=1e-4)
-    assert np.abs(out.logprobs[switch:] - old_only[switch:]).max() > 0.1  # the new weights mattered
+        logits = torch.cat([before, after], 1)[0, n - 1:-1].float()
+        replay = torch.log_softmax(logits, -1).gather(-1, seq[0, n:, None])[:, 0].numpy()
+        old_only = torch.log_softmax(old(seq).logits[0, n - 1:-1].float(), -1)
+        old_only = old_only.gather(-1, seq[0, n:, None])[:, 0].numpy()
+    rollout = traj.rollout_logprobs[n:]
+    np.testing.assert_allclose(rollout, replay, atol=1e-4)
+    assert np.abs(rollout[switch:] - old_only[switch:]).max() > 0.1  # the new weights mattered
