@@ -19,7 +19,6 @@ import logging
 import random
 import signal
 import threading
-import time
 import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
