@@ -56,7 +56,7 @@ def _free_port() -> int:
     return free_port()
 
 
-def run_learner(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+def run_learner(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SAO_LOG_LEVEL": "WARNING"}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-4000:]
@@ -64,8 +64,10 @@ def run_learner(cmd: list[str], timeout: float = 300) -> subprocess.CompletedPro
 
 
 def metrics(run_dir: Path) -> list[dict]:
+    """The JSONL step records; a last line cut short by SIGKILL (no newline yet) is not a record."""
     path = run_dir / "learner" / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
 
 
 def announcements(cfg: KafkaConfig, timeout: float = 30) -> list[Weights]:

@@ -1,0 +1,162 @@
+"""`sao learner` end to end on the real broker: weights out, ranks, crashes, poison."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import time
+
+import msgpack
+import numpy as np
+import torch
+
+from learner.models import tiny_llama
+from schemas import topics as T
+from schemas.kafka import make_consumer
+from schemas.messages import DeadLetter, Weights
+from tests.learner.service_util import (ROOT, announcements, assert_close_state, final_policy, learner_cmd,
+                                        load_weights, metrics, publish, rollouts, run_learner)
+
+
+def test_learner_trains_on_fresh_rollouts_and_publishes_loadable_versions(kafka_cfg, tmp_path):
+    """A test producer samples with the newest announced weights while the learner trains."""
+    cmd = learner_cmd(kafka_cfg, tmp_path, "--batch-trajectories", "4", "--max-steps", "4")
+    learner = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    model, version, sent = tiny_llama(seed=0), -1, 0
+    consumer = make_consumer(kafka_cfg, "test-producer")
+    consumer.subscribe([kafka_cfg.topic(T.WEIGHTS)])
+    try:
+        while learner.poll() is None and sent < 64:
+            msg = consumer.poll(0.2)
+            if msg is not None and msg.error() is None:
+                model.load_state_dict(load_weights(Weights.decode(msg.value())))
+                version += 1
+            if version < 0:
+                continue  # wait for version 0: producers start from the learner's weights
+            publish(kafka_cfg, [t.encode() for t in rollouts(2, seed=sent, id_prefix=f"p{sent}-",
+                                                             model=model, version=version)], key=None)
+            sent += 2
+        _, err = learner.communicate(timeout=120)
+    finally:
+        consumer.close()
+        if learner.poll() is None:
+            learner.kill()
+    assert learner.returncode == 0, err[-3000:]
+    ws = announcements(kafka_cfg)
+    assert [w.version for w in ws] == [0, 1, 2, 3, 4]
+    assert [w.step for w in ws] == [0, 1, 2, 3, 4]
+    last = load_weights(ws[-1])  # sha256 and size verified inside
+    assert_close_state(last, final_policy(tmp_path), rtol=0)
+    steps = metrics(tmp_path)
+    assert len(steps) == 4 and all(s["step/policy_updated"] == 1 for s in steps)
+    assert all(0 <= s["stale/max"] <= 8 for s in steps)
+
+
+def test_two_gloo_ranks_match_one_rank_after_three_steps(kafka_cfg, tmp_path, kafka_bootstrap):
+    from schemas.kafka import KafkaConfig, ensure_topics
+    payloads = [t.encode() for t in rollouts(12, seed=5)]
+    finals = {}
+    for nproc in (1, 2):
+        cfg = KafkaConfig(bootstrap=kafka_bootstrap, topic_prefix=f"{kafka_cfg.topic_prefix}n{nproc}")
+        ensure_topics(cfg)
+        publish(cfg, payloads)
+        run_learner(learner_cmd(cfg, tmp_path / str(nproc), "--batch-trajectories", "4",
+                                "--max-steps", "3", nproc=nproc))
+        finals[nproc] = load_weights(announcements(cfg)[-1])
+    assert_close_state(finals[2], finals[1], rtol=1e-5)
+    assert not all(torch.equal(finals[1][k], tiny_llama(seed=0).state_dict()[k]) for k in finals[1])
+
+
+def test_sigkill_three_times_trains_every_trajectory_exactly_once(kafka_bootstrap, kafka_cfg, tmp_path):
+    """300 trajectories, batch 8: 37 steps. The learner is SIGKILLed at three random moments
+    and restarted; the result must equal an uninterrupted run's, step for step."""
+    from schemas.kafka import KafkaConfig, ensure_topics
+    trajs = rollouts(300, seed=11)
+    payloads = [t.encode() for t in trajs]
+    flags = ("--batch-trajectories", "8", "--max-steps", "37", "--max-staleness", "-1")
+    runs = {}
+    for name in ("clean", "killed"):
+        cfg = KafkaConfig(bootstrap=kafka_bootstrap, topic_prefix=f"{kafka_cfg.topic_prefix}{name}")
+        ensure_topics(cfg)
+        publish(cfg, payloads)
+        runs[name] = (cfg, tmp_path / name)
+    run_learner(learner_cmd(*runs["clean"], *flags))
+
+    cfg, run_dir = runs["killed"]
+    rnd, kills = random.Random(3), 0
+    while kills < 3:
+        proc = subprocess.Popen(learner_cmd(cfg, run_dir, *flags), cwd=ROOT, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        target = len(metrics(run_dir)) + rnd.randint(2, 8)
+        deadline = time.monotonic() + 120
+        while len(metrics(run_dir)) < target and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(rnd.uniform(0, 0.3))  # land anywhere in a step: mid-train, mid-checkpoint, mid-publish
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        kills += 1
+    run_learner(learner_cmd(cfg, run_dir, *flags))  # to the end
+
+    # every trajectory of the 37 steps in exactly one step: the last record of each step index wins
+    # (a step replayed after a crash logs again), and no id may appear under two step indexes
+    by_step = {m["step/index"]: m["trajectory_ids"] for m in metrics(run_dir)}
+    assert sorted(by_step) == list(range(37))
+    ids = [i for step in by_step.values() for i in step]
+    assert len(ids) == len(set(ids)) == 296
+    assert set(ids) == {t.id for t in trajs[:296]}
+    ledger = torch.load(sorted((run_dir / "learner" / "checkpoints").glob("*.pt"))[-1],
+                        weights_only=True)["source"]["trained"]
+    assert {i: s for s, step in by_step.items() for i in step} == ledger
+
+    clean = {m["step/index"]: m["trajectory_ids"] for m in metrics(runs["clean"][1])}
+    assert clean == by_step
+    # published versions: the same versions with the same bytes as the uninterrupted run
+    sha = {name: {} for name in runs}
+    for name, (c, _) in runs.items():
+        for w in announcements(c):  # a restart announces its restored version again
+            sha[name].setdefault(w.version, set()).add(w.sha256)
+    assert sorted(sha["killed"]) == list(range(38))
+    assert sha["killed"] == sha["clean"] and all(len(s) == 1 for s in sha["clean"].values())
+    assert_close_state(final_policy(run_dir), final_policy(runs["clean"][1]), rtol=0)
+
+
+def _raw(traj) -> dict:
+    return msgpack.unpackb(traj.encode(), raw=False)
+
+
+def test_poison_is_dead_lettered_and_counted_and_a_skipped_step_publishes_nothing(kafka_cfg, tmp_path):
+    good = rollouts(19, seed=21)
+    for i, t in enumerate(good):  # as if sampled by the version current when they arrive
+        t.versions = np.where(t.action_mask == 1, i // 4, -1).astype(np.int32)
+    mismatched = _raw(good[0]) | {"id": "mismatched"}
+    mismatched["versions"] = mismatched["versions"][:-4]
+    nan_reward = _raw(good[1]) | {"id": "nan-reward", "reward": float("nan")}
+    stale = rollouts(1, seed=99, id_prefix="stale")[0]  # version 0 when the learner is at 3
+    huge = rollouts(1, seed=98, id_prefix="huge")[0]
+    huge.reward = 3e38  # finite, so it decodes, but its value loss overflows: the step is skipped
+    huge.versions = np.where(huge.action_mask == 1, 3, -1).astype(np.int32)
+    stream = ([t.encode() for t in good[:8]] + [b"\x00garbage", msgpack.packb(mismatched)]
+              + [t.encode() for t in good[8:12]] + [msgpack.packb(nan_reward), stale.encode()]
+              + [huge.encode()] + [t.encode() for t in good[12:19]])
+    publish(kafka_cfg, stream)
+    run_learner(learner_cmd(kafka_cfg, tmp_path, "--batch-trajectories", "4", "--max-steps", "5",
+                            "--max-staleness", "1"))
+    steps = metrics(tmp_path)
+    assert [s["step/skipped"] for s in steps] == [0, 0, 0, 1, 0]
+    assert steps[-1]["count/dlq"] == 3 and steps[-1]["count/stale"] == 1
+    assert [s["weights/version"] for s in steps] == [1, 2, 3, 3, 4]
+    assert [w.version for w in announcements(kafka_cfg)] == [0, 1, 2, 3, 4]  # none from the skipped step
+
+    consumer = make_consumer(kafka_cfg, "dlq-reader")
+    consumer.subscribe([kafka_cfg.topic(T.DLQ)])
+    letters, deadline = [], time.monotonic() + 30
+    while len(letters) < 3 and time.monotonic() < deadline:
+        msg = consumer.poll(0.5)
+        if msg is not None and msg.error() is None:
+            letters.append(DeadLetter.decode(msg.value()))
+    consumer.close()
+    assert [dl.offset for dl in letters] == [8, 9, 14]
+    assert "versions" in letters[1].error and "reward" in letters[2].error
