@@ -195,7 +195,7 @@ class Learner:
         tokens = sum(t.num_tokens for t in trajs)
         step_s = time.perf_counter() - t0
         return metrics | {
-            "weights/version": self.version, "perf/step_s": step_s, "perf/train_s": train_s,
+            "time": time.time(), "weights/version": self.version, "perf/step_s": step_s, "perf/train_s": train_s,
             "perf/publish_s": publish_s, "perf/tokens_per_s": tokens / step_s,
             "perf/trajectories_per_s": len(trajs) / step_s, "batch/trajectories": len(trajs),
             "batch/tokens": tokens, "trajectory_ids": [t.id for t in trajs]}

@@ -1,0 +1,126 @@
+"""Tokens/s of the full `sao learner` service against the same steps in a bare in-memory loop.
+
+The service path: trajectories pre-published to the embedded broker, consumed, decoded, checked
+for staleness and duplicates, trained under FSDP2, checkpointed with offsets committed, and each
+new policy written to the weight store and announced. The bare loop: the same model, the same
+trajectories and the same `SAOUpdate` steps (also under FSDP2, world size 1), nothing else.
+Both are timed from the end of their first step to the end of their last (the first step pays
+one-off warm-up). Target: ratio >= 0.95 once a step takes longer than ~1 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from learner.parallel import ParallelConfig, init_distributed, parallelize  # noqa: E402
+from learner.service import ModelConfig, build_policy  # noqa: E402
+from learner.update import SAOUpdate, UpdateConfig  # noqa: E402
+from learner.value import ValueModel  # noqa: E402
+from sao.broker import BrokerConfig, EmbeddedBroker  # noqa: E402
+from schemas import topics as T  # noqa: E402
+from schemas.kafka import KafkaConfig, ensure_topics, make_producer, produce  # noqa: E402
+from schemas.messages import Trajectory  # noqa: E402
+
+
+def synthetic(n: int, length: int, vocab: int, seed: int = 0) -> list[Trajectory]:
+    """Trajectories shaped like real ones (prompt, actions, one observation span) at version 0."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        prompt = length // 8
+        mask = np.ones(length, np.uint8)
+        mask[:prompt] = 0
+        mask[length // 2: length // 2 + length // 16] = 0  # an observation span
+        out.append(Trajectory(
+            id=f"b{i}", prompt_id=f"p{i}", env="bench", producer_id="bench",
+            tokens=rng.integers(0, vocab, length, dtype=np.int32), action_mask=mask,
+            rollout_logprobs=np.where(mask == 1, -np.log(vocab) + rng.normal(0, 0.01, length), 0).astype(np.float32),
+            versions=np.where(mask == 1, 0, -1).astype(np.int32), prompt_len=prompt,
+            reward=float(rng.random())))
+    return out
+
+
+def bare_loop(trajs: list[Trajectory], model: ModelConfig, update: UpdateConfig, batch: int) -> list[float]:
+    init_distributed("cpu")
+    torch.manual_seed(0)
+    policy = build_policy(model)
+    critic = parallelize(ValueModel.from_policy(policy), ParallelConfig())
+    policy = parallelize(policy, ParallelConfig())
+    sao = SAOUpdate(policy, critic, update)
+    ends = []
+    for i in range(0, len(trajs) - batch + 1, batch):
+        sao.step([Trajectory.decode(t.encode()) for t in trajs[i:i + batch]])  # as fresh from the wire
+        ends.append(time.perf_counter())
+    return ends
+
+
+def service(trajs: list[Trajectory], model: ModelConfig, batch: int, extra: list[str]) -> list[dict]:
+    with EmbeddedBroker(BrokerConfig(port=0)) as broker, tempfile.TemporaryDirectory() as tmp:
+        cfg = KafkaConfig(bootstrap=broker.bootstrap, topic_prefix=f"b{uuid.uuid4().hex[:6]}", settings={})
+        ensure_topics(cfg)
+        producer = make_producer(cfg)
+        for t in trajs:
+            produce(producer, cfg.topic(T.TRAJECTORIES), t.encode(), key=t.key)
+        assert producer.flush(60) == 0
+        cmd = [sys.executable, "-m", "sao", "learner", "--run-dir", f"{tmp}/learner",
+               "--weights-dir", f"{tmp}/weights", "--kafka.bootstrap", cfg.bootstrap,
+               "--kafka.topic-prefix", cfg.topic_prefix, "--batch-trajectories", str(batch),
+               "--max-steps", str(len(trajs) // batch), "--max-staleness", "-1",
+               "--model.name", model.name, "--model.vocab-size", str(model.vocab_size),
+               "--model.hidden-size", str(model.hidden_size), "--model.num-layers", str(model.num_layers),
+               "--update.warmup-steps", "0", *extra]
+        subprocess.run(cmd, check=True, cwd=ROOT, stderr=subprocess.DEVNULL,
+                       env={**os.environ, "SAO_LOG_LEVEL": "WARNING"})
+        return [json.loads(x) for x in Path(f"{tmp}/learner/metrics.jsonl").read_text().splitlines()]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--length", type=int, default=256)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--service-flags", default="", help="extra `sao learner` flags, space separated")
+    args = ap.parse_args()
+    model = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers)
+    trajs = synthetic(args.steps * args.batch, args.length, args.vocab)
+    tokens_per_step = args.batch * args.length
+
+    # the service first: the bare loop makes this process a (one-rank) torch.distributed group,
+    # whose variables a child learner would inherit
+    steps = service(trajs, model, args.batch, args.service_flags.split())
+    ends = bare_loop(trajs, model, UpdateConfig(warmup_steps=0), args.batch)
+    bare = tokens_per_step * (len(ends) - 1) / (ends[-1] - ends[0])
+    times = [s["time"] for s in steps]
+    full = tokens_per_step * (len(times) - 1) / (times[-1] - times[0])
+    step_s = np.mean([s["perf/train_s"] for s in steps[1:]])
+    print(f"learner_overhead: tiny-llama h{args.hidden} L{args.layers} V{args.vocab}, {args.steps} steps "
+          f"x {args.batch} trajectories x {args.length} tokens, service flags [{args.service_flags}]  "
+          f"[{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}]")
+    print(f"{'path':<28}{'tokens/s':>10}{'ratio':>8}")
+    print(f"{'bare in-memory SAOUpdate':<28}{bare:>10.0f}{1.0:>8.2f}")
+    print(f"{'sao learner (Kafka, FSDP2)':<28}{full:>10.0f}{full / bare:>8.2f}   target >= 0.95")
+    print(f"train step {step_s:.2f} s; per step in the service: checkpoint+publish "
+          f"{np.mean([s['perf/step_s'] - s['perf/train_s'] for s in steps[1:]]):.3f} s "
+          f"(publish alone {np.mean([s['perf/publish_s'] for s in steps[1:]]):.3f} s)")
+
+
+if __name__ == "__main__":
+    main()
