@@ -70,22 +70,29 @@ def run(env_name: str, algorithm: str, seed: int, args: argparse.Namespace) -> l
     return curve
 
 
+def trailing_mean(curve: list[float]) -> np.ndarray:
+    """Mean of the last SMOOTH steps; entry i ends at step i + SMOOTH."""
+    return np.convolve(curve, np.ones(SMOOTH) / SMOOTH, mode="valid")
+
+
 def steps_to(curve: list[float], target: float) -> int | None:
-    smooth = np.convolve(curve, np.ones(SMOOTH) / SMOOTH, mode="valid")  # trailing mean at i + SMOOTH − 1
-    hit = np.flatnonzero(smooth >= target)
+    hit = np.flatnonzero(trailing_mean(curve) >= target)
     return int(hit[0]) + SMOOTH if hit.size else None
 
 
 def report(curves: dict[tuple[str, str], list[list[float]]], args: argparse.Namespace) -> None:
     print(f"{'task':<15}{'method':<14}{'final reward':>16}{'steps to 80% best':>20}")
     for env_name in TASKS:
-        finals = {a: [statistics.fmean(c[-args.final:]) for c in curves[env_name, a]] for a in ALGORITHMS}
+        finals = {a: [statistics.fmean(c[-args.final:]) for c in curves[env_name, a]]
+                  for a in ALGORITHMS}
         best = max(statistics.fmean(f) for f in finals.values())
         for a in ALGORITHMS:
             reached = [s for c in curves[env_name, a] if (s := steps_to(c, 0.8 * best)) is not None]
-            when = f"{statistics.fmean(reached):.0f} ({len(reached)}/{args.seeds})" if reached else f"never (0/{args.seeds})"
+            mean = f"{statistics.fmean(reached):.0f}" if reached else "never"
+            when = f"{mean} ({len(reached)}/{args.seeds})"
             f = finals[a]
-            print(f"{env_name:<15}{a:<14}{statistics.fmean(f):>9.3f} ± {statistics.pstdev(f):.3f}{when:>20}")
+            final = f"{statistics.fmean(f):.3f} ± {statistics.pstdev(f):.3f}"
+            print(f"{env_name:<15}{a:<14}{final:>17}{when:>20}")
 
 
 def plot(curves: dict[tuple[str, str], list[list[float]]], path: Path) -> None:
@@ -97,11 +104,12 @@ def plot(curves: dict[tuple[str, str], list[list[float]]], path: Path) -> None:
     fig, axes = plt.subplots(1, len(TASKS), figsize=(6 * len(TASKS), 4), squeeze=False)
     for ax, env_name in zip(axes[0], TASKS):
         for a in ALGORITHMS:
-            runs = np.array([np.convolve(c, np.ones(SMOOTH) / SMOOTH, mode="valid") for c in curves[env_name, a]])
+            runs = np.array([trailing_mean(c) for c in curves[env_name, a]])
             x = np.arange(runs.shape[1]) + SMOOTH
             ax.plot(x, runs.mean(0), label=a)
             ax.fill_between(x, runs.min(0), runs.max(0), alpha=0.2)
-        ax.set(title=env_name, xlabel="learner step", ylabel=f"reward ({SMOOTH}-step mean)", ylim=(0, 1))
+        ax.set(title=env_name, xlabel="learner step", ylabel=f"reward ({SMOOTH}-step mean)",
+               ylim=(0, 1))
         ax.legend()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
@@ -109,11 +117,13 @@ def plot(curves: dict[tuple[str, str], list[list[float]]], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--batch", type=int, default=16, help="trajectories per step, a multiple of 8")
-    parser.add_argument("--sync-every", type=int, default=1, help="steps between generator weight loads")
+    parser.add_argument("--sync-every", type=int, default=1,
+                        help="steps between generator weight loads (1 = on-policy)")
     parser.add_argument("--lr-policy", type=float, default=3e-3)
     parser.add_argument("--lr-critic", type=float, default=3e-3)
     parser.add_argument("--final", type=int, default=50, help="steps averaged into the final reward")
