@@ -7,29 +7,32 @@ restart sees a whole file or none, and both keep only the last K.
 from __future__ import annotations
 
 import hashlib
-import io
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors.torch import save as safetensors_bytes
+from safetensors.torch import save_file
 
 from schemas.messages import Weights
 
 
-def atomic_write(path: Path, data: bytes) -> None:
+def atomic_file(path: Path, write: Callable[[Path], None]) -> tuple[str, int]:
+    """`write(tmp)` then fsync and rename over `path`; returns the file's (sha256, size)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
+    write(tmp)
+    with open(tmp, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()  # from the page cache: cheap
         os.fsync(f.fileno())
+    size = tmp.stat().st_size
     os.replace(tmp, path)
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)  # the rename itself must survive a crash
     finally:
         os.close(dir_fd)
+    return digest, size
 
 
 def _numbered(root: Path, pattern: str) -> list[tuple[int, Path]]:
@@ -53,13 +56,12 @@ class WeightStore:
                 t = t.clone()
             seen.add(t.data_ptr())
             tensors[name] = t
-        data = safetensors_bytes(tensors)
         path = self.root / f"v{version:08d}.safetensors"
-        atomic_write(path, data)
+        sha256, num_bytes = atomic_file(path, lambda tmp: save_file(tensors, tmp))
         self._prune()
         dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()})
         return Weights(version=version, step=step, uri=path.resolve().as_uri(),
-                       sha256=hashlib.sha256(data).hexdigest(), num_bytes=len(data),
+                       sha256=sha256, num_bytes=num_bytes,
                        dtype=",".join(dtypes))
 
     def _prune(self) -> None:
@@ -81,10 +83,8 @@ class Checkpointer:
         return self.every > 0 and step % self.every == 0
 
     def save(self, step: int, state: dict) -> Path:
-        buf = io.BytesIO()
-        torch.save(state, buf)
         path = self.root / f"step{step:08d}.pt"
-        atomic_write(path, buf.getvalue())
+        atomic_file(path, lambda tmp: torch.save(state, tmp))
         for _, old in _numbered(self.root, r"step(\d+)\.pt")[:-self.keep]:
             old.unlink(missing_ok=True)
         return path
