@@ -75,7 +75,8 @@ def main() -> None:
     args = ap.parse_args()
     print(f"# bench/generation.py  {datetime.datetime.now().isoformat(timespec='seconds')}")
     print(f"# host: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-          f"torch {torch.__version__} ({torch.get_num_threads()} threads), float32, CPU")
+          f"torch {torch.__version__} ({torch.get_num_threads()} threads), float32, CPU, "
+          f"load average {os.getloadavg()[0]:.1f} at start (a shared machine: other jobs compete)")
     print(f"# {args.repeats} x {args.tokens} tokens per model and backend, T=1.0, no stop token, sequential")
     print(f"{'model':<18} {'prompt':>6} {'in-process tok/s':>17} {'http tok/s':>11} {'http/in-process':>16}")
     for name in args.models:

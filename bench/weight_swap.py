@@ -116,7 +116,8 @@ def main() -> None:
     print(f"# bench/weight_swap.py  {datetime.datetime.now().isoformat(timespec='seconds')}")
     print(f"# host: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__} "
           f"({torch.get_num_threads()} threads); SmolLM2-135M float32 state dict, {gib:.3f} GiB file, "
-          f"warm page cache; broker: {'embedded Apache Kafka' if broker else kafka.bootstrap}")
+          f"warm page cache; broker: {'embedded Apache Kafka' if broker else kafka.bootstrap}; "
+          f"load average {os.getloadavg()[0]:.1f}")
     print(f"load_file (lazy mmap)                 {lazy:7.3f} s")
     print(f"sha256 of the file                    {sha:7.3f} s")
     print(f"bare load: load_file + load_state_dict {bare:7.3f} s   <- baseline")
