@@ -85,7 +85,8 @@ class WeightSubscriber:
                  poll_s: float = 0.2):
         self.kafka = kafka
         self.generator = generator
-        self.verify_files = verify_files  # False: the generator only records versions (http backend)
+        self.verify_files = verify_files  # False: the generator only records versions (http backend),
+        # so it gets the uri itself and this process needs no access to the file
         self.poll_s = poll_s
         self.counts = {"loaded": 0, "rejected": 0, "ignored": 0, "invalid": 0}
         self.last_swap_s = float("nan")  # announcement created_at -> new weights live
@@ -109,8 +110,7 @@ class WeightSubscriber:
             log.info("weights version %d ignored: already on %d", w.version, self.generator.version)
             return False
         try:
-            path = verify(w) if self.verify_files else local_path(w.uri)
-            self.generator.load_weights(str(path), w.version)
+            self.generator.load_weights(str(verify(w)) if self.verify_files else w.uri, w.version)
         except Exception as e:  # a bad file or a load failure must never take the producer down
             self.counts["rejected"] += 1
             log.error("weights version %d rejected, staying on %d: %s", w.version,
