@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: install
-	$(VENV)/bin/sao demo
+	$(VENV)/bin/sao stack
 
 test: install
 	$(PY) -m pytest -q tests

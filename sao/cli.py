@@ -16,6 +16,7 @@ from schemas.config import parse
 # subcommand -> (module, config class, one-line help)
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "broker": ("sao.broker", "BrokerConfig", "run the embedded Apache Kafka broker (KRaft) on loopback"),
+    "stack": ("sao.stack", "StackConfig", "the whole pipeline on this machine (make run): broker, learner, producers, feeder"),
     "demo": ("sao.demo", "DemoConfig", "broker + topics + a visible produce -> consume round trip"),
     "producer": ("producers.service", "ProducerConfig", "play prompts from sao.prompts, publish trajectories"),
     "feed": ("producers.feeder", "FeedConfig", "publish prompts (JSONL or env generator) with backpressure"),
