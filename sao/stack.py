@@ -55,7 +55,8 @@ def commands(cfg: StackConfig) -> dict[str, list[str]]:
                             "--batch-trajectories", str(cfg.batch_trajectories),
                             "--max-steps", str(cfg.steps), *cfg.learner_flags.split(), *kafka)}
     for i in range(cfg.producers):
-        cmds[f"producer-{i}"] = _sao("producer", "--env", cfg.env, "--model", cfg.model, "--seed", str(i),
+        # one seed for all: a tiny model's seed is its initial weights, which must be the learner's
+        cmds[f"producer-{i}"] = _sao("producer", "--env", cfg.env, "--model", cfg.model, "--seed", "0",
                                      "--producer-id", f"producer-{i}", "--max-tokens", str(cfg.max_tokens),
                                      "--log-every-s", "10", *kafka)
     cmds["feeder"] = _sao("feed", "--env", cfg.env, "--max-unfinished", str(4 * cfg.batch_trajectories), *kafka)
