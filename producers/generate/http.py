@@ -145,7 +145,8 @@ class HttpGenerator:
             self._weight_info = False
             return None
         r.raise_for_status()
-        return as_version(r.json()["weight_version"])
+        label = r.json().get("weight_version")  # vLLM: the label set by update_weight_version, or None
+        return None if label is None else as_version(label)
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
         start = time.perf_counter()
