@@ -92,6 +92,13 @@ def _server_properties(data: Path, port: int, controller_port: int) -> str:
     ])
 
 
+def die_with_parent() -> None:
+    """In the child: SIGTERM it when the process that started it dies, even by SIGKILL, so a
+    crashed test run or `sao stack` leaves no process behind (Linux prctl PR_SET_PDEATHSIG)."""
+    import ctypes
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+
+
 class EmbeddedBroker:
     """A broker child process; `with EmbeddedBroker(cfg) as b: b.bootstrap`."""
 
@@ -149,7 +156,8 @@ class EmbeddedBroker:
         cmd = self._kafka_command() if self.kind == "kafka" else self._tansu_command()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         out = open(self.data_dir / "stdout.log", "ab")
-        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     preexec_fn=die_with_parent)
         out.close()
         try:
             wait_for_broker(self.bootstrap, timeout)

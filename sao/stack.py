@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sao.broker import BrokerConfig, EmbeddedBroker
+from sao.broker import BrokerConfig, EmbeddedBroker, die_with_parent
 from schemas.kafka import KafkaConfig, ensure_topics
 
 
@@ -91,7 +91,7 @@ def run_stack(cfg: StackConfig) -> None:
     try:
         for name, cmd in commands(cfg).items():
             out = sys.stderr if name == "learner" else open(logs / f"{name}.log", "w")
-            procs[name] = subprocess.Popen(cmd, stdout=out, stderr=out, env=env)
+            procs[name] = subprocess.Popen(cmd, stdout=out, stderr=out, env=env, preexec_fn=die_with_parent)
             print(f"started {name} (pid {procs[name].pid})", flush=True)
         if procs["learner"].wait() != 0:
             raise SystemExit(f"learner failed; see the lines above and {logs}")
