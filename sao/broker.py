@@ -17,10 +17,11 @@ import subprocess
 import tempfile
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from schemas.kafka import wait_for_broker
+from schemas.kafka import KafkaConfig, wait_for_broker
 
 log = logging.getLogger(__name__)
 
@@ -187,6 +188,19 @@ class EmbeddedBroker:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+@contextmanager
+def cluster(kafka: KafkaConfig, broker: BrokerConfig):
+    """The cluster `SAO_KAFKA_BOOTSTRAP` names, or else an embedded broker for the duration;
+    `kafka.bootstrap` points at whichever serves."""
+    if "SAO_KAFKA_BOOTSTRAP" in os.environ:
+        yield kafka
+        return
+    with EmbeddedBroker(broker) as b:
+        print(f"{b.kind} broker up at {b.bootstrap}", flush=True)
+        kafka.bootstrap = b.bootstrap
+        yield kafka
 
 
 def run(cfg: BrokerConfig) -> None:

@@ -6,7 +6,6 @@ publishes random trajectories and reads them back, checking each is byte-identic
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -15,7 +14,7 @@ import numpy as np
 from schemas import topics as T
 from schemas.kafka import KafkaConfig, ensure_topics, make_consumer, make_producer, produce
 from schemas.messages import Trajectory, decode
-from sao.broker import BrokerConfig, EmbeddedBroker
+from sao.broker import BrokerConfig, cluster
 
 
 @dataclass(kw_only=True)
@@ -76,10 +75,5 @@ def round_trip(cfg: DemoConfig) -> None:
 
 
 def run(cfg: DemoConfig) -> None:
-    if "SAO_KAFKA_BOOTSTRAP" in os.environ:
-        round_trip(cfg)
-        return
-    with EmbeddedBroker(cfg.broker) as broker:
-        print(f"{broker.kind} broker up at {broker.bootstrap}", flush=True)
-        cfg.kafka.bootstrap = broker.bootstrap
+    with cluster(cfg.kafka, cfg.broker):
         round_trip(cfg)

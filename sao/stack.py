@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sao.broker import BrokerConfig, EmbeddedBroker, die_with_parent
+from sao.broker import BrokerConfig, cluster, die_with_parent
 from schemas.kafka import KafkaConfig, ensure_topics
 
 
@@ -109,10 +109,5 @@ def run_stack(cfg: StackConfig) -> None:
 
 
 def run(cfg: StackConfig) -> None:
-    if "SAO_KAFKA_BOOTSTRAP" in os.environ:
-        run_stack(cfg)
-        return
-    with EmbeddedBroker(cfg.broker) as broker:
-        print(f"{broker.kind} broker up at {broker.bootstrap}", flush=True)
-        cfg.kafka.bootstrap = broker.bootstrap
+    with cluster(cfg.kafka, cfg.broker):
         run_stack(cfg)

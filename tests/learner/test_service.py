@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import random
 import signal
@@ -100,19 +101,22 @@ def test_sigkill_three_times_trains_every_trajectory_exactly_once(kafka_bootstra
         kills += 1
     run_learner(learner_cmd(cfg, run_dir, *flags))  # to the end
 
-    # every trajectory of the 37 steps in exactly one step: the last record of each step index wins
-    # (a step replayed after a crash logs again), and no id may appear under two step indexes
-    by_step = {m["step/index"]: m["trajectory_ids"] for m in metrics(run_dir)}
-    assert sorted(by_step) == list(range(37))
-    ids = [i for step in by_step.values() for i in step]
-    assert len(ids) == len(set(ids)) == 296
-    assert set(ids) == {t.id for t in trajs[:296]}
-    ledger = torch.load(sorted((run_dir / "learner" / "checkpoints").glob("*.pt"))[-1],
-                        weights_only=True)["source"]["trained"]
-    assert {i: s for s, step in by_step.items() for i in step} == ledger
+    # the ledger in the final checkpoint says which step trained each trajectory: every one of
+    # the 296 in exactly one step, eight to a step, as in the uninterrupted run
+    def ledger(run_dir):
+        ckpt = sorted((run_dir / "learner" / "checkpoints").glob("*.pt"))[-1]
+        return torch.load(ckpt, weights_only=True)["source"]["trained"]
 
-    clean = {m["step/index"]: m["trajectory_ids"] for m in metrics(runs["clean"][1])}
-    assert clean == by_step
+    trained = ledger(run_dir)
+    assert set(trained) == {t.id for t in trajs[:296]}
+    assert sorted(collections.Counter(trained.values()).items()) == [(s, 8) for s in range(37)]
+    assert trained == ledger(runs["clean"][1])
+    # every step the metrics log recorded, replays after a crash included, had the ledger's
+    # composition (a crash after a checkpoint may leave a step without its line, never wrong)
+    records = metrics(run_dir)
+    assert all(trained[i] == m["step/index"] for m in records for i in m["trajectory_ids"])
+    assert len({m["step/index"] for m in records}) >= 37 - kills
+
     # published versions: the same versions with the same bytes as the uninterrupted run
     sha = {name: {} for name in runs}
     for name, (c, _) in runs.items():
