@@ -63,3 +63,26 @@ def test_sao_broker_command_serves_and_stops_on_sigterm(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_tansu_fallback_round_trips_trajectories(tmp_path):
+    """The broker used where no Java is installed: memory-only, but the same clients work."""
+    rng = np.random.default_rng(1)
+    sent = [random_trajectory(rng, 50 + i, i).encode() for i in range(10)]
+    with EmbeddedBroker(BrokerConfig(kind="tansu", data_dir=tmp_path, port=0)) as broker:
+        assert broker.kind == "tansu"
+        cfg = KafkaConfig(bootstrap=broker.bootstrap, settings={})
+        ensure_topics(cfg, [T.TRAJECTORIES])
+        producer = make_producer(cfg)
+        for data in sent:
+            produce(producer, cfg.topic(T.TRAJECTORIES), data)
+        assert producer.flush(30) == 0
+        consumer = make_consumer(cfg, "tansu-group")
+        consumer.subscribe([cfg.topic(T.TRAJECTORIES)])
+        got, deadline = [], time.monotonic() + 60
+        while len(got) < len(sent) and time.monotonic() < deadline:
+            msg = consumer.poll(0.5)
+            if msg is not None and msg.error() is None:
+                got.append(msg.value())
+        consumer.close()
+    assert sorted(got) == sorted(sent)

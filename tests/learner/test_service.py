@@ -164,3 +164,17 @@ def test_poison_is_dead_lettered_and_counted_and_a_skipped_step_publishes_nothin
     consumer.close()
     assert [dl.offset for dl in letters] == [8, 9, 14]
     assert "versions" in letters[1].error and "reward" in letters[2].error
+
+
+def test_activation_checkpointing_trains_the_same_step(kafka_cfg, tmp_path, kafka_bootstrap):
+    """Recomputing activations in backward changes memory, not the result."""
+    from schemas.kafka import KafkaConfig, ensure_topics
+    payloads = [t.encode() for t in rollouts(4, seed=31)]
+    finals = []
+    for i, flags in enumerate([(), ("--parallel.activation-checkpointing",)]):
+        cfg = KafkaConfig(bootstrap=kafka_bootstrap, topic_prefix=f"{kafka_cfg.topic_prefix}ac{i}")
+        ensure_topics(cfg)
+        publish(cfg, payloads)
+        run_learner(learner_cmd(cfg, tmp_path / str(i), "--batch-trajectories", "4", "--max-steps", "1", *flags))
+        finals.append(load_weights(announcements(cfg)[-1]))
+    assert_close_state(finals[1], finals[0], rtol=1e-6)
