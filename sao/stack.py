@@ -24,7 +24,7 @@ from schemas.kafka import KafkaConfig, ensure_topics
 
 @dataclass(kw_only=True)
 class StackConfig:
-    steps: int = 60
+    steps: int = 150
     """Learner steps before the stack stops."""
     producers: int = 2
     """Producer processes."""
