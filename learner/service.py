@@ -118,6 +118,7 @@ class Learner:
         self.ckpt = Checkpointer(cfg.run_dir / "checkpoints", cfg.checkpoint_every)
         self.store = WeightStore(cfg.weights_dir, cfg.keep_weights)
         self.version = 0
+        self._staleness: list[int] = []  # of the step just formed (rank 0)
         self.source = TrajectorySource(cfg.kafka, prefetch=cfg.prefetch) if self.rank == 0 else None
         self.producer = make_producer(cfg.kafka) if self.rank == 0 else None
 

@@ -42,7 +42,9 @@ class ValueModel(nn.Module):
     def forward(self, **inputs: Tensor) -> Tensor:
         """Per-position value (…, T) in float32 of the state after reading each token."""
         hidden = self.backbone(**inputs, use_cache=False).last_hidden_state
-        return self.head(hidden.float()).squeeze(-1)  # the head stays fp32 under a bf16 backbone
+        # the head stays fp32 under a bf16 backbone; `[..., 0]` would be a view, which FSDP2
+        # warns about on every step (in-place ops on a root output view skip its hooks)
+        return self.head(hidden.float()).squeeze(-1).clone()
 
 
 def critic_values(critic: ValueModel, batch: Batch, *, packed: bool = False) -> Tensor:
