@@ -16,6 +16,18 @@ from schemas import topics as T
 from schemas.kafka import KafkaConfig, ensure_topics, make_consumer, make_producer, produce, wait_for_broker
 
 
+def _consume(cfg: KafkaConfig, group: str, want: int, timeout: float = 60) -> list[bytes]:
+    consumer = make_consumer(cfg, group)
+    consumer.subscribe([cfg.topic(T.TRAJECTORIES)])
+    got, deadline = [], time.monotonic() + timeout
+    while len(got) < want and time.monotonic() < deadline:
+        msg = consumer.poll(0.5)
+        if msg is not None and msg.error() is None:
+            got.append(msg.value())
+    consumer.close()
+    return got
+
+
 def test_messages_produced_before_a_restart_are_consumable_after(tmp_path):
     broker = EmbeddedBroker(BrokerConfig(data_dir=tmp_path / "kafka", port=0))
     assert broker.kind == "kafka"
@@ -34,15 +46,7 @@ def test_messages_produced_before_a_restart_are_consumable_after(tmp_path):
         assert broker.proc is None
 
         broker.start()  # same folder, same port
-        consumer = make_consumer(cfg, "after-restart")
-        consumer.subscribe([cfg.topic(T.TRAJECTORIES)])
-        got, deadline = [], time.monotonic() + 60
-        while len(got) < len(sent) and time.monotonic() < deadline:
-            msg = consumer.poll(0.5)
-            if msg is not None and msg.error() is None:
-                got.append(msg.value())
-        consumer.close()
-        assert sorted(got) == sorted(sent)
+        assert sorted(_consume(cfg, "after-restart", len(sent))) == sorted(sent)
     finally:
         broker.close()
 
@@ -77,12 +81,5 @@ def test_tansu_fallback_round_trips_trajectories(tmp_path):
         for data in sent:
             produce(producer, cfg.topic(T.TRAJECTORIES), data)
         assert producer.flush(30) == 0
-        consumer = make_consumer(cfg, "tansu-group")
-        consumer.subscribe([cfg.topic(T.TRAJECTORIES)])
-        got, deadline = [], time.monotonic() + 60
-        while len(got) < len(sent) and time.monotonic() < deadline:
-            msg = consumer.poll(0.5)
-            if msg is not None and msg.error() is None:
-                got.append(msg.value())
-        consumer.close()
+        got = _consume(cfg, "tansu-group", len(sent))
     assert sorted(got) == sorted(sent)
