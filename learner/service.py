@@ -153,8 +153,8 @@ class Learner:
     def checkpoint(self) -> None:
         state = self.state_dict()
         if self.rank == 0:
-            self.ckpt.save(self.update.step_count, state)
-            self.source.commit()  # only now: the checkpoint holding these positions is durable
+            # offsets go to Kafka only once the checkpoint holding them is durable
+            self.ckpt.save(self.update.step_count, state, then=self.source.commit)
 
     # ------------------------------------------------------------------ weights
     def publish(self) -> float:
@@ -230,6 +230,7 @@ def run(cfg: LearnerConfig) -> None:
                     **{f"count/{k}": src.counts[k] for k in ("dlq", "stale", "duplicate")}})
         if learner.update.step_count % max(cfg.checkpoint_every, 1):
             learner.checkpoint()  # a clean stop keeps every trained step
+        learner.ckpt.wait()
     finally:
         if learner.source:
             learner.source.close()

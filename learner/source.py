@@ -102,7 +102,7 @@ class TrajectorySource:
                 if offsets:
                     self.consumer.commit(offsets=offsets, asynchronous=False)
                 self._watermarks = self._high_watermarks()
-                msg = self.consumer.poll(0.2)
+                msg = self.consumer.poll(1.0)
                 if msg is None:
                     continue
                 if msg.error():
@@ -114,6 +114,9 @@ class TrajectorySource:
                     traj = None
                 backlog.append((msg.partition(), msg.offset(), traj, msg.value()))
         finally:
+            with self._lock:  # the last checkpoint's commit may have come after the last poll
+                if self._to_commit:
+                    self.consumer.commit(offsets=self._to_commit, asynchronous=False)
             dlq.flush(10)
 
     # ------------------------------------------------------------------ step formation
