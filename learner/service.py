@@ -32,7 +32,7 @@ from learner.telemetry import Telemetry, staleness_metrics
 from learner.update import SAOUpdate, UpdateConfig
 from learner.value import ValueModel
 from schemas import topics as T
-from schemas.kafka import KafkaConfig, make_producer, produce
+from schemas.kafka import KafkaConfig, ensure_topics, make_producer, produce
 from schemas.messages import Trajectory
 
 log = logging.getLogger(__name__)
@@ -209,6 +209,8 @@ def run(cfg: LearnerConfig) -> None:
     learner = Learner(cfg)
     telemetry = Telemetry(cfg.run_dir, cfg.metrics_port) if learner.rank == 0 else None
     try:
+        if learner.rank == 0:
+            ensure_topics(cfg.kafka)  # idempotent; a fresh cluster works without a setup step
         state = learner.ckpt.latest()
         if state is not None:
             learner.load_state_dict(state)
