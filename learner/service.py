@@ -128,7 +128,9 @@ class Learner:
         state = {"version": self.version, "rng": torch.get_rng_state(),
                  "policy": full_state_dict(self.policy),
                  "policy_opt": full_optimizer_state(self.policy, self.update.policy_opt),
-                 "update": {k: v for k, v in self.update.state_dict().items() if not k.endswith("_opt")}}
+                 # the optimizers are saved unsharded above; the rest of SAOUpdate's state here
+                 "update": {"step": self.update.step_count, "running_mean":
+                            self.update.running_mean.state_dict() if self.update.running_mean else None}}
         if self.critic is not None:
             state |= {"critic": full_state_dict(self.critic),
                       "critic_opt": full_optimizer_state(self.critic, self.update.critic_opt)}

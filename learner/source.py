@@ -137,15 +137,17 @@ class TrajectorySource:
             self.positions[partition] = offset + 1
             if traj is None:
                 self.counts["dlq"] += 1
-            elif traj.id in self.trained or traj.id in ids:
+                continue
+            lag = staleness(version, traj)
+            if traj.id in self.trained or traj.id in ids:
                 self.counts["duplicate"] += 1
-            elif max_staleness >= 0 and staleness(version, traj) > max_staleness:
+            elif max_staleness >= 0 and lag > max_staleness:
                 self.counts["stale"] += 1
             else:
                 ids.add(traj.id)
                 step.trajectories.append(traj)
                 step.payloads.append(payload)
-                step.staleness.append(staleness(version, traj))
+                step.staleness.append(lag)
                 step.num_tokens += traj.num_tokens
         self.trained.update(dict.fromkeys(ids, step_index))
         return step

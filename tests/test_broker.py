@@ -16,6 +16,14 @@ from schemas import topics as T
 from schemas.kafka import KafkaConfig, ensure_topics, make_consumer, make_producer, produce, wait_for_broker
 
 
+def _produce(cfg: KafkaConfig, sent: list[bytes]) -> None:
+    ensure_topics(cfg, [T.TRAJECTORIES])
+    producer = make_producer(cfg)
+    for data in sent:
+        produce(producer, cfg.topic(T.TRAJECTORIES), data)
+    assert producer.flush(30) == 0
+
+
 def _consume(cfg: KafkaConfig, group: str, want: int, timeout: float = 60) -> list[bytes]:
     consumer = make_consumer(cfg, group)
     consumer.subscribe([cfg.topic(T.TRAJECTORIES)])
@@ -36,12 +44,7 @@ def test_messages_produced_before_a_restart_are_consumable_after(tmp_path):
     try:
         broker.start()
         cfg = KafkaConfig(bootstrap=broker.bootstrap, settings={})
-        ensure_topics(cfg, [T.TRAJECTORIES])
-        producer = make_producer(cfg)
-        for data in sent:
-            produce(producer, cfg.topic(T.TRAJECTORIES), data)
-        assert producer.flush(30) == 0
-        del producer
+        _produce(cfg, sent)
         broker.stop()
         assert broker.proc is None
 
@@ -76,10 +79,6 @@ def test_tansu_fallback_round_trips_trajectories(tmp_path):
     with EmbeddedBroker(BrokerConfig(kind="tansu", data_dir=tmp_path, port=0)) as broker:
         assert broker.kind == "tansu"
         cfg = KafkaConfig(bootstrap=broker.bootstrap, settings={})
-        ensure_topics(cfg, [T.TRAJECTORIES])
-        producer = make_producer(cfg)
-        for data in sent:
-            produce(producer, cfg.topic(T.TRAJECTORIES), data)
-        assert producer.flush(30) == 0
+        _produce(cfg, sent)
         got = _consume(cfg, "tansu-group", len(sent))
     assert sorted(got) == sorted(sent)

@@ -10,7 +10,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from safetensors.torch import load_file
 
@@ -19,6 +18,7 @@ from producers.envs import make_env
 from producers.episode import play_tasks
 from producers.generate.base import SamplingParams
 from producers.generate.hf import HFGenerator
+from sao.broker import free_port
 from schemas import topics as T
 from schemas.kafka import KafkaConfig, make_consumer, make_producer, produce
 from schemas.messages import Weights
@@ -44,16 +44,11 @@ def publish(cfg: KafkaConfig, payloads: list[bytes], key: bytes | None = b"one-p
 
 def learner_cmd(cfg: KafkaConfig, run_dir: Path, *flags: str, nproc: int = 1) -> list[str]:
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                 "--master-port", str(_free_port()), "-m", "learner.service"] if nproc > 1
+                 "--master-port", str(free_port()), "-m", "learner.service"] if nproc > 1
                 else [sys.executable, "-m", "sao", "learner"])
     return [*launcher, "--run-dir", str(run_dir / "learner"), "--weights-dir", str(run_dir / "weights"),
             "--kafka.bootstrap", cfg.bootstrap, "--kafka.topic-prefix", cfg.topic_prefix,
             "--update.warmup-steps", "0", *flags]
-
-
-def _free_port() -> int:
-    from sao.broker import free_port
-    return free_port()
 
 
 def run_learner(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
