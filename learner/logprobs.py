@@ -7,12 +7,13 @@ restarting at 0 per trajectory, which transformers turns into a block-diagonal c
 math after the forward always sees the padded (B, T) layout.
 
 Reward placement (SAO.md §4): `Trajectory.reward`, the outcome, goes on the trajectory's last
-action token. Earlier turns' rewards travel in `meta["turn_rewards"]` as a list of
-`(token_index, reward)` pairs, `token_index` being the index in `tokens` of the last action token
-of that turn; the final turn's reward is the outcome and is not repeated there.
+action token. Earlier turns' rewards travel in `Trajectory.turn_rewards` as `(token_index, reward)`
+pairs, `token_index` being the index in `tokens` of the last action token of that turn (the codec
+checks it is one); the final turn's reward is the outcome and is not repeated there.
 
-Deliberately absent: top-p / top-k truncation. Generators default it off (producers/generate);
-a run that enables it must first add the same truncation here, or the ratio is biased (SAO.md §3).
+Deliberately absent: top-p / top-k truncation. Generators default it off (producers/generate), and
+the learner's source dead-letters any trajectory sampled with it (learner/checks.py), since
+recomputing without the same truncation would bias the ratio (SAO.md §3).
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ class Batch:
     rewards: Tensor  # (B, T) float32, outcome and per-turn rewards on action tokens
     outcome: Tensor  # (B,) float32, Trajectory.reward
     response_len: Tensor  # (B,) int64, tokens after the prompt, observations included
-    prompt_ids: tuple[str, ...]  # (B,) for group and running-mean baselines
+    prompt_ids: tuple[str, ...]  # (B,) for running-mean baselines
+    group_ids: tuple[str, ...]  # (B,) for group baselines: the rollouts of one prompt publication
 
     @property
     def size(self) -> int:
@@ -55,14 +57,14 @@ class Batch:
 
 
 def token_rewards(traj: Trajectory) -> np.ndarray:
-    """(T,) float32: the outcome on the last action token, `meta["turn_rewards"]` on theirs."""
+    """(T,) float32: the outcome on the last action token, `turn_rewards` on theirs."""
     if traj.reward is None:
         raise ValueError(f"trajectory {traj.id}: no reward yet (it belongs on the pending topic)")
     acted = np.flatnonzero(traj.action_mask)
     if acted.size == 0:
         raise ValueError(f"trajectory {traj.id}: no action tokens")
     rewards = np.zeros(len(traj.tokens), dtype=np.float32)
-    for index, reward in traj.meta.get("turn_rewards", []):
+    for index, reward in traj.turn_rewards:
         if not (0 <= index < len(rewards)) or not traj.action_mask[index]:
             raise ValueError(f"trajectory {traj.id}: turn reward at {index} is not on an action token")
         rewards[index] += reward
@@ -91,7 +93,8 @@ def collate(trajs: Sequence[Trajectory], *, device: torch.device | str = "cpu") 
     return Batch(**tensors,
                  outcome=torch.tensor([t.reward for t in trajs], dtype=torch.float32, device=device),
                  response_len=torch.tensor([len(t.tokens) - t.prompt_len for t in trajs], device=device),
-                 prompt_ids=tuple(t.prompt_id for t in trajs))
+                 prompt_ids=tuple(t.prompt_id for t in trajs),
+                 group_ids=tuple(t.group or t.prompt_id for t in trajs))
 
 
 def model_inputs(batch: Batch, packed: bool) -> dict[str, Tensor]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from learner.value import ValueModel
 from schemas import topics as T
 from schemas.kafka import KafkaConfig, ensure_topics, make_producer, produce
 from schemas.messages import Trajectory
+from schemas.process import stop_on_signals
 
 log = logging.getLogger(__name__)
 
@@ -205,9 +205,7 @@ class Learner:
 
 
 def run(cfg: LearnerConfig) -> None:
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = stop_on_signals()
     learner = Learner(cfg)
     telemetry = Telemetry(cfg.run_dir, cfg.metrics_port) if learner.rank == 0 else None
     try:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from confluent_kafka import OFFSET_INVALID, TopicPartition
 
 from schemas import topics as T
-from schemas.kafka import KafkaConfig, dead_letter, decode_or_dead_letter, make_consumer, make_producer
+from schemas.kafka import KafkaConfig, consumer_error, dead_letter, decode_or_dead_letter, make_consumer, make_producer
 from schemas.messages import Limits, Trajectory
 
 log = logging.getLogger(__name__)
@@ -105,8 +105,7 @@ class TrajectorySource:
                 msg = self.consumer.poll(1.0)
                 if msg is None:
                     continue
-                if msg.error():
-                    log.warning("consumer error: %s", msg.error())
+                if consumer_error(msg):
                     continue
                 traj = decode_or_dead_letter(dlq, self.kafka, msg, expect=Trajectory, limits=self.limits)
                 if traj is not None and traj.reward is None:

@@ -214,7 +214,7 @@ class SAOUpdate:
             if self.running_mean is not None:
                 seq_adv = self.running_mean.advantage(total, batch.prompt_ids)
             else:
-                seq_adv = group_normalised_advantage(total, batch.prompt_ids)
+                seq_adv = group_normalised_advantage(total, batch.group_ids)
             adv = torch.where(mask, seq_adv[:, None], 0.0)
         if cfg.whiten_advantages:
             adv = whiten(adv, mask)

@@ -4,8 +4,9 @@ The sequence is `[prompt, a_0, o_0, a_1, …, a_n]`: action spans sampled by the
 (action_mask 1, their rollout log-probs and weight versions) and observation spans from the
 environment (action_mask 0, log-prob 0.0, version −1). The final step's reward is
 `Trajectory.reward` (None: a live reward stream will score it); earlier turns' rewards go to
-`meta["turn_rewards"]` as `[token_index, reward]` pairs, `token_index` being the last action
-token of that turn, which is where the learner places them (SAO.md §4). The final step's
+`Trajectory.turn_rewards` as `(token_index, reward)` pairs, `token_index` being the last action
+token of that turn, which is where the learner places them (SAO.md §4). The sampling settings
+travel with it, so the learner can refuse what it would not recompute the same way. The final step's
 observation, if any, is dropped: nothing acts on it.
 """
 
@@ -31,6 +32,8 @@ class TrajectoryIds:
     prompt_id: str
     env: str
     producer_id: str
+    group: str = ""
+    group_size: int = 1
 
 
 def run_episode(episode: Episode, generator: Generator, params: SamplingParams,
@@ -61,14 +64,15 @@ def run_episode(episode: Episode, generator: Generator, params: SamplingParams,
             break
         if step.reward is not None:
             last_action = sum(len(x) for x in spans["tokens"]) - 1
-            turn_rewards.append([last_action, float(step.reward)])
+            turn_rewards.append((last_action, float(step.reward)))
         add(step.observation, False)
     timing["total_s"] = time.perf_counter() - start
     return Trajectory(id=ids.id, prompt_id=ids.prompt_id, env=ids.env, producer_id=ids.producer_id,
+                      group=ids.group, group_size=ids.group_size,
                       **{k: np.concatenate(v) for k, v in spans.items()},
-                      prompt_len=len(episode.prompt_ids), reward=step.reward,
-                      finish_reason=gen.finish_reason, num_turns=turn, timing=timing,
-                      meta={"turn_rewards": turn_rewards})
+                      prompt_len=len(episode.prompt_ids), reward=step.reward, turn_rewards=turn_rewards,
+                      temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                      finish_reason=gen.finish_reason, num_turns=turn, timing=timing)
 
 
 def play_tasks(env: Env, generator: Generator, params: SamplingParams, rng: random.Random, *,
@@ -83,6 +87,6 @@ def play_tasks(env: Env, generator: Generator, params: SamplingParams, rng: rand
         prompt_id = f"{env.name}/{json.dumps(task, sort_keys=True)}"
         for g in range(group_size):
             ids = TrajectoryIds(id=f"{id_prefix}{p}.{g}", prompt_id=prompt_id, env=env.name,
-                                producer_id=producer_id)
+                                producer_id=producer_id, group=f"{id_prefix}{p}", group_size=group_size)
             trajs.append(run_episode(env.episode(task), generator, params, ids))
     return trajs

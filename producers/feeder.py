@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import random
-import signal
 import threading
 import uuid
 from collections.abc import Iterator, Mapping
@@ -32,6 +31,7 @@ from schemas import topics as T
 from schemas.config import ConfigError
 from schemas.kafka import KafkaConfig, ensure_topics, make_consumer, make_producer, produce
 from schemas.messages import Prompt
+from schemas.process import stop_on_signals
 
 log = logging.getLogger(__name__)
 
@@ -115,10 +115,7 @@ class Backlog:
 
 def run(cfg: FeedConfig, stop: threading.Event | None = None) -> int:
     """Publish prompts; returns how many were published."""
-    stop = stop or threading.Event()
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
+    stop = stop_on_signals(stop)
     ensure_topics(cfg.kafka)
     errors: list[str] = []
     source = prompts_from_jsonl(Path(cfg.jsonl), cfg.env, errors) if cfg.jsonl else prompts_from_env(cfg.env, cfg.seed)

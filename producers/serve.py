@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import signal
 import threading
 import time
 import uuid
@@ -32,6 +31,7 @@ from producers.models import load_model, load_tokenizer
 from producers.weights import WeightSubscriber
 from schemas import topics as T
 from schemas.kafka import KafkaConfig, ensure_topics
+from schemas.process import stop_on_signals
 
 log = logging.getLogger(__name__)
 
@@ -180,9 +180,7 @@ def run(cfg: ServeConfig) -> None:
     gen = HFGenerator(load_model(cfg.model, seed=cfg.seed, device=cfg.device), seed=cfg.seed)
     server = make_server(gen, load_tokenizer(cfg.model), host=cfg.host, port=cfg.port,
                          model_name=cfg.model, max_tokens=cfg.max_tokens)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = stop_on_signals()
     threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
     sub = None
     try:

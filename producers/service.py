@@ -6,7 +6,7 @@ the generator, produce the trajectory to `sao.trajectories` (or `sao.trajectorie
 the environment gives no reward), wait for the broker's acknowledgement, and only then store and
 commit the prompt's offset. A producer killed mid-episode has committed nothing for that prompt, so
 the group hands it to another member: prompts are delivered at least once. A redelivered prompt
-yields the same trajectory id (`<prompt id>#<attempt>`), which is how the learner drops duplicates.
+yields the same trajectory id (`<prompt id>#<attempt>.<sample>`), which is how the learner drops duplicates.
 
 SIGTERM or SIGINT ends the loop after the current episode; the partitions' offsets are
 committed and the consumer leaves the group, handing its partitions to the others at once.
@@ -19,7 +19,6 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-import signal
 import socket
 import threading
 from dataclasses import dataclass, field
@@ -36,8 +35,9 @@ from producers.metrics import ProducerMetrics
 from producers.sandbox import Sandbox, SandboxConfig
 from producers.weights import WeightSubscriber
 from schemas import topics as T
-from schemas.kafka import (KafkaConfig, dead_letter, decode_or_dead_letter, ensure_topics, make_consumer,
-                           make_producer, produce)
+from schemas.kafka import (KafkaConfig, consumer_error, dead_letter, decode_or_dead_letter, ensure_topics,
+                           make_consumer, make_producer, produce)
+from schemas.process import stop_on_signals
 from schemas.config import ConfigError
 from schemas.messages import Prompt, SchemaError, Trajectory
 
@@ -121,8 +121,8 @@ def play(prompt: Prompt, env, generator: Generator, params: SamplingParams, prod
         raise
     except (KeyError, TypeError, ValueError, IndexError) as e:  # the env could not read this task
         raise SchemaError("task", f"{type(e).__name__}: {e}") from e
-    ids = TrajectoryIds(id=f"{prompt.id}#{prompt.attempt}", prompt_id=prompt.id, env=prompt.env,
-                        producer_id=producer_id)
+    ids = TrajectoryIds(id=prompt.trajectory_id, prompt_id=prompt.id, env=prompt.env,
+                        producer_id=producer_id, group=prompt.group, group_size=prompt.group_size)
     return run_episode(episode, generator, params, ids)
 
 
@@ -151,10 +151,7 @@ def commit(consumer, msg=None) -> None:
 def run(cfg: ProducerConfig, stop: threading.Event | None = None) -> None:
     from producers.models import load_tokenizer  # torch/transformers only once we run
 
-    stop = stop or threading.Event()
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
+    stop = stop_on_signals(stop)
     ensure_topics(cfg.kafka)
     generator = make_generator(cfg)
     env, params = make_parts(cfg, load_tokenizer(cfg.model))
@@ -176,10 +173,7 @@ def run(cfg: ProducerConfig, stop: threading.Event | None = None) -> None:
             msg = consumer.poll(0.5)
             if msg is None:
                 continue
-            if msg.error():
-                if msg.error().fatal():
-                    raise KafkaException(msg.error())
-                log.warning("consumer: %s", msg.error())
+            if consumer_error(msg):
                 continue
             prompt = decode_or_dead_letter(producer, cfg.kafka, msg, Prompt)
             if prompt is None:

@@ -30,7 +30,7 @@ from confluent_kafka import OFFSET_BEGINNING, TopicPartition
 from producers.generate.base import Generator
 from producers.retry import retrying
 from schemas import topics as T
-from schemas.kafka import KafkaConfig, make_consumer
+from schemas.kafka import KafkaConfig, consumer_error, make_consumer
 from schemas.messages import SchemaError, Weights
 
 log = logging.getLogger(__name__)
@@ -48,12 +48,9 @@ def local_path(uri: str) -> Path:
     return Path(unquote(parsed.path))
 
 
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
+def sha256_file(path: Path) -> str:
     with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def verify(w: Weights) -> Path:
@@ -124,8 +121,7 @@ class WeightSubscriber:
     def _decode(self, msg) -> Weights | None:
         if msg is None:
             return None
-        if msg.error():
-            log.warning("weights consumer: %s", msg.error())
+        if consumer_error(msg):
             return None
         try:
             return Weights.decode(msg.value() or b"")

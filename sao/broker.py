@@ -15,13 +15,13 @@ import signal
 import socket
 import subprocess
 import tempfile
-import time
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from schemas.kafka import KafkaConfig, wait_for_broker
+from schemas.process import stop_on_signals
 
 log = logging.getLogger(__name__)
 
@@ -205,18 +205,12 @@ def cluster(kafka: KafkaConfig, broker: BrokerConfig):
 
 def run(cfg: BrokerConfig) -> None:
     """`sao broker`: serve until SIGINT/SIGTERM."""
-    stop = {"now": False}
-
-    def _stop(*_):
-        stop["now"] = True
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
+    stop = stop_on_signals()
     with EmbeddedBroker(cfg) as broker:
         print(f"{broker.kind} broker ready: SAO_KAFKA_BOOTSTRAP={broker.bootstrap} "
               f"(data in {broker.data_dir})", flush=True)
-        while not stop["now"] and broker.proc.poll() is None:
-            time.sleep(0.5)
+        while not stop.wait(0.5) and broker.proc.poll() is None:
+            pass
         if broker.proc.poll() not in (None, 0):
             raise SystemExit(f"broker exited with status {broker.proc.returncode}")
     print("broker stopped", flush=True)

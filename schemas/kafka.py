@@ -118,6 +118,32 @@ def wait_for_broker(bootstrap: str, timeout: float = 60.0, settings: Mapping[str
         time.sleep(0.2)
 
 
+class FatalKafkaError(RuntimeError):
+    """The client cannot go on (fatal error, failed authentication or authorisation, a topic that
+    vanished): the service stops with this message instead of logging and spinning."""
+
+
+# Errors a consumer loop cannot outwait: credentials, permissions, a topic deleted under it.
+_FATAL_CODES = {KafkaError.TOPIC_AUTHORIZATION_FAILED, KafkaError.GROUP_AUTHORIZATION_FAILED,
+                KafkaError.CLUSTER_AUTHORIZATION_FAILED, KafkaError.SASL_AUTHENTICATION_FAILED,
+                KafkaError._AUTHENTICATION, KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC,
+                KafkaError._SSL}
+
+
+def consumer_error(msg: Message) -> bool:
+    """The one check every consumer loop makes after `poll`: True if `msg` carries a transient
+    error (logged; the loop polls again), False if it carries data; raises FatalKafkaError if the
+    error is one no retry will fix. Topics are created before any consumer starts, so an unknown
+    topic here means it was deleted or never reachable, not that it is still being created."""
+    err = msg.error()
+    if err is None:
+        return False
+    if err.fatal() or err.code() in _FATAL_CODES:
+        raise FatalKafkaError(f"Kafka: {err.str()} (topic {msg.topic()})")
+    log.warning("consumer: %s", err)
+    return True
+
+
 def produce(producer: Producer, topic: str, value: bytes, key: bytes | None = None,
             on_delivery: Callable | None = None) -> None:
     """Produce without ever dropping: a full local queue is drained by serving callbacks, then retried."""

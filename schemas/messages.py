@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import msgpack
 import numpy as np
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: typed per-turn rewards and sampling settings on trajectories
 
 # Per-token arrays and their fixed little-endian dtypes.
 TOKEN_ARRAYS: dict[str, np.dtype] = {
@@ -49,6 +49,8 @@ class Limits:
     """Longest string field (ids, errors, uris)."""
     max_map_entries: int = 256
     """Most entries in a free-form map (`task`, `timing`, `meta`)."""
+    max_turn_rewards: int = 4096
+    """Most per-turn rewards on one trajectory."""
 
 
 DEFAULT_LIMITS = Limits()
@@ -84,6 +86,10 @@ def _int(m: dict, name: str, lo: int | None = None) -> int:
     if lo is not None and v < lo:
         raise SchemaError(name, f"must be >= {lo}, got {v}")
     return v
+
+
+def _opt_int(m: dict, name: str, lo: int | None = None) -> int | None:
+    return None if _req(m, name) is None else _int(m, name, lo)
 
 
 def _float(m: dict, name: str, *, nullable: bool = False, finite: bool = True) -> float | None:
@@ -128,6 +134,26 @@ def _array(m: dict, name: str, limits: Limits) -> np.ndarray:
     return np.frombuffer(raw, dtype=dtype)  # a read-only view: no copy
 
 
+def _turn_rewards(m: dict, acted: np.ndarray, limits: Limits) -> list[tuple[int, float]]:
+    """`turn_rewards`: [[token_index, reward], ...], each index on an action token, each reward
+    finite; the learner adds them to the token rewards without looking again (SAO.md §4)."""
+    v = _req(m, "turn_rewards")
+    if not isinstance(v, list):
+        raise SchemaError("turn_rewards", f"expected a list, got {type(v).__name__}")
+    if len(v) > limits.max_turn_rewards:
+        raise SchemaError("turn_rewards", f"more than {limits.max_turn_rewards} entries")
+    out = []
+    for i, pair in enumerate(v):
+        name = f"turn_rewards[{i}]"
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise SchemaError(name, "expected a [token_index, reward] pair")
+        index, reward = _int({name: pair[0]}, name, lo=0), _float({name: pair[1]}, name)
+        if index >= len(acted) or not acted[index]:
+            raise SchemaError(name, f"token index {index} is not an action token")
+        out.append((index, reward))
+    return out
+
+
 def _as_le(a: np.ndarray, name: str) -> np.ndarray:
     a = np.asarray(a)
     dtype = TOKEN_ARRAYS[name]
@@ -167,23 +193,45 @@ class Prompt(_Message):
 
     kind: ClassVar[str] = "prompt"
     id: str
+    """Stable per task (a dataset row keeps its id across epochs: running means key on it)."""
     env: str
     task: dict = field(default_factory=dict)
     created_at: float = field(default_factory=_now)
     attempt: int = 0
+    """Which publication of this task (the epoch): a new attempt is a new trajectory, not a duplicate."""
+    sample: int = 0
+    """Index of this rollout within its group, 0 ≤ sample < group_size."""
+    group_size: int = 1
+    """Rollouts published for this (id, attempt): G for group baselines, 1 for SAO."""
 
     @property
     def key(self) -> bytes:
         return self.id.encode()
 
+    @property
+    def group(self) -> str:
+        """The G rollouts of one publication share it; the learner's group baselines key on it."""
+        return f"{self.id}#{self.attempt}"
+
+    @property
+    def trajectory_id(self) -> str:
+        """A redelivered prompt yields the same id, which is how the learner drops duplicates."""
+        return f"{self.group}.{self.sample}"
+
     def _fields(self) -> dict:
         return {"id": self.id, "env": self.env, "task": self.task,
-                "created_at": float(self.created_at), "attempt": self.attempt}
+                "created_at": float(self.created_at), "attempt": self.attempt,
+                "sample": self.sample, "group_size": self.group_size}
 
     @classmethod
     def _from_map(cls, m: dict, limits: Limits) -> Prompt:
+        group_size = _int(m, "group_size", lo=1)
+        sample = _int(m, "sample", lo=0)
+        if sample >= group_size:
+            raise SchemaError("sample", f"{sample} is not below group_size {group_size}")
         return cls(id=_str(m, "id", limits), env=_str(m, "env", limits), task=_map(m, "task", limits),
-                   created_at=_float(m, "created_at"), attempt=_int(m, "attempt", lo=0))
+                   created_at=_float(m, "created_at"), attempt=_int(m, "attempt", lo=0),
+                   sample=sample, group_size=group_size)
 
 
 @dataclass(kw_only=True, eq=False)
@@ -205,10 +253,24 @@ class Trajectory(_Message):
     versions: np.ndarray  # (T,) int32, -1 off actions
     prompt_len: int
     reward: float | None = None
+    group: str = ""
+    """Shared by the rollouts of one prompt publication (`Prompt.group`); "" for none."""
+    group_size: int = 1
+    """How many rollouts share `group`; the learner trains a group only whole."""
+    turn_rewards: list[tuple[int, float]] = field(default_factory=list)
+    """Rewards of earlier turns as (token_index, reward): the index of the last action token of
+    that turn, where the learner places it (SAO.md §4); the final turn's reward is `reward`."""
+    temperature: float = 1.0
+    """Sampling temperature T of every action token; the learner recomputes at the same T."""
+    top_p: float = 1.0
+    """Nucleus truncation used when sampling (1.0: none)."""
+    top_k: int = 0
+    """Top-k truncation used when sampling (0: none)."""
     finish_reason: str = "stop"
     num_turns: int = 1
     timing: dict = field(default_factory=dict)
     meta: dict = field(default_factory=dict)
+    """Free-form; never read by the learner."""
 
     def __post_init__(self):
         for name in TOKEN_ARRAYS:
@@ -236,6 +298,9 @@ class Trajectory(_Message):
                    for name in TOKEN_ARRAYS},
                 "prompt_len": self.prompt_len,
                 "reward": None if self.reward is None else float(self.reward),
+                "group": self.group, "group_size": self.group_size,
+                "turn_rewards": [[int(i), float(r)] for i, r in self.turn_rewards],
+                "temperature": float(self.temperature), "top_p": float(self.top_p), "top_k": int(self.top_k),
                 "finish_reason": self.finish_reason, "num_turns": self.num_turns,
                 "timing": self.timing, "meta": self.meta}
 
@@ -263,10 +328,18 @@ class Trajectory(_Message):
         versions = arrays["versions"]
         if versions.size and not (((versions >= 0) == acted).all() and versions.min() >= -1):
             raise SchemaError("versions", "must be >= 0 on action tokens and -1 elsewhere")
+        temperature, top_p = _float(m, "temperature"), _float(m, "top_p")
+        if not temperature > 0:
+            raise SchemaError("temperature", f"must be > 0, got {temperature}")
+        if not 0 < top_p <= 1:
+            raise SchemaError("top_p", f"must be in (0, 1], got {top_p}")
         return cls(id=_str(m, "id", limits), prompt_id=_str(m, "prompt_id", limits),
                    env=_str(m, "env", limits), producer_id=_str(m, "producer_id", limits),
                    **arrays, prompt_len=prompt_len,
                    reward=_float(m, "reward", nullable=True),
+                   group=_str(m, "group", limits), group_size=_int(m, "group_size", lo=1),
+                   turn_rewards=_turn_rewards(m, acted, limits),
+                   temperature=temperature, top_p=top_p, top_k=_int(m, "top_k", lo=0),
                    finish_reason=_str(m, "finish_reason", limits),
                    num_turns=_int(m, "num_turns", lo=0),
                    timing=_map(m, "timing", limits), meta=_map(m, "meta", limits))
@@ -279,6 +352,9 @@ class Reward(_Message):
     kind: ClassVar[str] = "reward"
     trajectory_id: str
     reward: float
+    token_index: int | None = None
+    """None: the outcome reward; else a per-turn reward on this action token (merged into
+    `Trajectory.turn_rewards`)."""
     source: str = "cli"
     criterion: str = ""
     created_at: float = field(default_factory=_now)
@@ -289,13 +365,14 @@ class Reward(_Message):
 
     def _fields(self) -> dict:
         return {"trajectory_id": self.trajectory_id, "reward": float(self.reward),
-                "source": self.source, "criterion": self.criterion,
+                "token_index": self.token_index, "source": self.source, "criterion": self.criterion,
                 "created_at": float(self.created_at)}
 
     @classmethod
     def _from_map(cls, m: dict, limits: Limits) -> Reward:
         return cls(trajectory_id=_str(m, "trajectory_id", limits), reward=_float(m, "reward"),
-                   source=_str(m, "source", limits), criterion=_str(m, "criterion", limits),
+                   token_index=_opt_int(m, "token_index", lo=0), source=_str(m, "source", limits),
+                   criterion=_str(m, "criterion", limits),
                    created_at=_float(m, "created_at"))
 
 

@@ -25,7 +25,7 @@ def traj(tokens, mask, *, prompt_len, reward=1.0, turn_rewards=(), logp=None, ti
     return Trajectory(id=tid, prompt_id=pid, env="test", producer_id="test",
                       tokens=np.array(tokens), action_mask=mask, rollout_logprobs=logp,
                       versions=np.where(mask, 3, -1), prompt_len=prompt_len, reward=reward,
-                      meta={"turn_rewards": [list(x) for x in turn_rewards]})
+                      turn_rewards=list(turn_rewards))
 
 
 def test_outcome_on_last_action_token_and_turn_rewards_on_theirs():

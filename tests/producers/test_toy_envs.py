@@ -95,19 +95,20 @@ def test_run_episode_builds_the_trajectory_with_observations_and_turn_rewards():
     assert traj.rollout_logprobs.tolist() == [0, 0, -1, -2, 0, 0, -1, -2, -3]
     assert traj.versions.tolist() == [-1, -1, 7, 7, -1, -1, 7, 7, 7]
     assert traj.prompt_len == 2 and traj.num_turns == 2
-    assert traj.meta["turn_rewards"] == [[3, 0.5]]  # turn 0 scored 1.0 / 2 turns, on token 3
+    assert traj.turn_rewards == [(3, 0.5)]  # turn 0 scored 1.0 / 2 turns, on token 3
     assert traj.reward == pytest.approx(2 / 3 / 2)  # turn 1: 2 of 3 in set 1
     assert gen.prompts[1] == traj.tokens[:6].tolist()  # turn 2 sees the observation
     assert traj.timing["generate_s"] == 1.0 and traj.finish_reason == "length"
     again = Trajectory.decode(traj.encode())  # it is a valid wire message
-    assert again.meta == traj.meta and np.array_equal(again.tokens, traj.tokens)
+    assert again.turn_rewards == traj.turn_rewards and np.array_equal(again.tokens, traj.tokens)
+    assert (again.temperature, again.top_p, again.top_k) == (1.0, 1.0, 0)
 
 
 def test_single_turn_run_episode_has_no_turn_rewards():
     env = TargetEnv(n_tasks=2)
     traj = run_episode(env.episode({"target": 1}), Scripted([[FIRST + 1, FIRST]]),
                        SamplingParams(max_tokens=2), IDS)
-    assert traj.reward == 0.5 and traj.meta["turn_rewards"] == [] and traj.num_turns == 1
+    assert traj.reward == 0.5 and traj.turn_rewards == [] and traj.num_turns == 1
 
 
 def test_play_tasks_groups_share_a_prompt_id():

@@ -32,6 +32,9 @@ def trajectories(draw) -> Trajectory:
         rollout_logprobs=np.where(mask == 1, -rng.exponential(2.0, n), rng.normal(size=n)).astype(np.float32),
         versions=np.where(mask == 1, rng.integers(0, 1000, n), -1).astype(np.int32),
         prompt_len=prompt_len, reward=draw(st.one_of(st.none(), finite)),
+        turn_rewards=[(int(i), draw(finite)) for i in np.flatnonzero(mask)[:draw(st.integers(0, 3))]],
+        group=draw(text), group_size=draw(st.integers(1, 64)),
+        temperature=draw(st.floats(0.01, 10)), top_p=draw(st.floats(0.01, 1)), top_k=draw(st.integers(0, 100)),
         finish_reason=draw(st.sampled_from(["stop", "length", "abort"])),
         num_turns=draw(st.integers(0, 50)),
         timing=draw(st.dictionaries(text, finite, max_size=4)), meta=draw(small_map))
@@ -39,8 +42,10 @@ def trajectories(draw) -> Trajectory:
 
 messages = st.one_of(
     trajectories(),
-    st.builds(Prompt, id=text, env=text, task=small_map, created_at=finite, attempt=st.integers(0, 10**6)),
-    st.builds(Reward, trajectory_id=text, reward=finite, source=text, criterion=text, created_at=finite),
+    st.builds(Prompt, id=text, env=text, task=small_map, created_at=finite, attempt=st.integers(0, 10**6),
+              sample=st.just(3), group_size=st.integers(4, 64)),
+    st.builds(Reward, trajectory_id=text, reward=finite, token_index=st.one_of(st.none(), st.integers(0, 10**6)),
+              source=text, criterion=text, created_at=finite),
     st.builds(Weights, version=st.integers(0, 2**40), step=st.integers(0, 2**40), uri=text,
               sha256=st.text("0123456789abcdef", min_size=64, max_size=64),
               num_bytes=st.integers(0, 2**50), dtype=st.sampled_from(["float32", "bfloat16"]),
@@ -234,3 +239,60 @@ def test_bad_sha256_names_it():
 def test_not_a_map_is_refused():
     with pytest.raises(SchemaError):
         decode(msgpack.packb([1, 2, 3]))
+
+
+# ------------------------------------------------------------------ per-turn rewards and sampling settings
+
+
+@pytest.mark.parametrize("pairs", [
+    [[9, 1.0]],  # index beyond the sequence
+    [[1, 1.0]],  # a prompt token
+    [[4, 1.0]],  # an observation token
+    [[2, "1.0"]],  # a string where a number belongs
+    [["2", 1.0]],
+    [[2, float("nan")]],
+    [[2, 1.0, 3]],  # not a pair
+    [[-1, 1.0]],
+    "2:1.0",
+])
+def test_a_malformed_turn_reward_names_turn_rewards(pairs):
+    m = _raw(_traj())
+    m["turn_rewards"] = pairs
+    assert _field_error(m).startswith("turn_rewards")
+
+
+def test_turn_rewards_are_bounded_in_count():
+    m = _raw(_traj())
+    m["turn_rewards"] = [[2, 0.1]] * 5
+    assert _field_error(m, Limits(max_turn_rewards=4)) == "turn_rewards"
+
+
+def test_turn_rewards_on_action_tokens_round_trip():
+    back = Trajectory.decode(_traj(turn_rewards=[(2, 0.5), (3, -1.0)]).encode())
+    assert back.turn_rewards == [(2, 0.5), (3, -1.0)]
+
+
+@pytest.mark.parametrize("name,value", [("temperature", 0.0), ("temperature", -1.0), ("temperature", float("inf")),
+                                        ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1), ("top_k", 2.5)])
+def test_impossible_sampling_settings_name_the_field(name, value):
+    m = _raw(_traj())
+    m[name] = value
+    assert _field_error(m) == name
+
+
+@pytest.mark.parametrize("name", ["turn_rewards", "temperature", "top_p", "top_k", "group", "group_size"])
+def test_every_trajectory_carries_its_sampling_settings_and_group(name):
+    m = _raw(_traj())
+    del m[name]
+    assert _field_error(m) == name
+
+
+def test_a_prompt_sample_outside_its_group_names_sample():
+    m = _raw(Prompt(id="p", env="toy", sample=1, group_size=2))
+    m["sample"] = 2
+    assert _field_error(m) == "sample"
+
+
+def test_prompt_ids_name_the_group_and_the_trajectory():
+    p = Prompt(id="row-7", env="toy", attempt=2, sample=5, group_size=8)
+    assert (p.group, p.trajectory_id) == ("row-7#2", "row-7#2.5")
