@@ -25,12 +25,15 @@ import torch
 from learner.parallel import (ParallelConfig, broadcast_bytes, full_optimizer_state, full_state_dict,
                               init_distributed, load_full_optimizer_state, load_full_state_dict,
                               parallelize)
+from learner.checks import Trainable
+from learner.failures import StepFailures
 from learner.source import TrajectorySource
 from learner.store import Checkpointer, WeightStore
 from learner.telemetry import Telemetry, staleness_metrics
-from learner.update import SAOUpdate, UpdateConfig
-from learner.value import ValueModel
+from learner.update import GROUP_ALGORITHMS, SAOUpdate, UpdateConfig
+from learner.value import ValueModel, format_report, param_report
 from schemas import topics as T
+from schemas.config import ConfigError
 from schemas.kafka import KafkaConfig, ensure_topics, make_producer, produce
 from schemas.messages import Trajectory
 from schemas.models import check_model, smollm2_gguf
@@ -78,6 +81,14 @@ class LearnerConfig:
     """Stop after this many steps in total (0: run until SIGTERM)."""
     prefetch: int = 512
     """Decoded trajectories held ahead of training."""
+    max_seq_len: int = 0
+    """Longest trajectory trained, in tokens; longer ones go to sao.dlq (0: the model's context window)."""
+    max_step_failures: int = 3
+    """A step that raised on this many consecutive starts is dead-lettered whole (never a crash loop)."""
+    dedup_window: int = 1 << 16
+    """Most recent trained trajectory ids remembered to drop duplicates (bounds memory and checkpoints)."""
+    group_wait_steps: int = 8
+    """Group baselines: a group still incomplete after this many steps trains partial (G >= 2) or is dropped."""
     metrics_port: int = 0
     """Prometheus /metrics port on rank 0 (0: off)."""
     seed: int = 0
@@ -86,6 +97,25 @@ class LearnerConfig:
     update: UpdateConfig = field(default_factory=UpdateConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     kafka: KafkaConfig = field(default_factory=KafkaConfig)
+
+    def __post_init__(self):
+        at_least = {"batch_trajectories": 1, "batch_tokens": 1, "publish_every": 1, "keep_weights": 1,
+                    "checkpoint_every": 1, "prefetch": 1, "max_step_failures": 1, "dedup_window": 1,
+                    "group_wait_steps": 1, "max_staleness": -1, "max_steps": 0, "max_seq_len": 0,
+                    "metrics_port": 0}
+        for name, low in at_least.items():
+            if getattr(self, name) < low:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(self, name)}")
+
+    def trainable(self, model_config) -> Trainable:
+        """What this learner can train, from its settings and its model's config (learner/checks.py)."""
+        context = getattr(model_config, "max_position_embeddings", None) or self.max_seq_len
+        if self.max_seq_len > context:
+            raise ConfigError(f"--max-seq-len {self.max_seq_len} exceeds the model's context window {context}")
+        return Trainable(vocab_size=model_config.vocab_size, max_seq_len=self.max_seq_len or context,
+                         temperature=self.update.temperature,
+                         needs_groups=self.update.algorithm in GROUP_ALGORITHMS,
+                         max_group_size=self.batch_trajectories)
 
 
 def build_policy(cfg: ModelConfig) -> torch.nn.Module:
@@ -120,7 +150,10 @@ class Learner:
         self.store = WeightStore(cfg.weights_dir, cfg.keep_weights)
         self.version = 0
         self._staleness: list[int] = []  # of the step just formed (rank 0)
-        self.source = TrajectorySource(cfg.kafka, prefetch=cfg.prefetch) if self.rank == 0 else None
+        self.failures = StepFailures(cfg.run_dir / "step_failures.json", cfg.max_step_failures)
+        self.source = TrajectorySource(
+            cfg.kafka, cfg.trainable(self.model_config), prefetch=cfg.prefetch,
+            dedup_window=cfg.dedup_window, group_wait_steps=cfg.group_wait_steps) if self.rank == 0 else None
         self.producer = make_producer(cfg.kafka) if self.rank == 0 else None
 
     # ------------------------------------------------------------------ checkpoints
@@ -178,7 +211,7 @@ class Learner:
             step = self.source.next_step(
                 step_index=self.update.step_count, version=self.version,
                 max_staleness=self.cfg.max_staleness, batch_trajectories=self.cfg.batch_trajectories,
-                batch_tokens=self.cfg.batch_tokens, stop=stop)
+                batch_tokens=self.cfg.batch_tokens, stop=stop, poisoned=self.failures.poisoned)
             self._staleness = step.staleness if step else []
         payloads = broadcast_bytes(step.payloads if step else None, self.device)
         if payloads is None:
@@ -187,7 +220,8 @@ class Learner:
 
     def train_step(self, trajs: list[Trajectory]) -> dict:
         t0 = time.perf_counter()
-        metrics = self.update.step(trajs)
+        with self.failures.guard([t.id for t in trajs]):  # the update alone: publishing is not the input's fault
+            metrics = self.update.step(trajs)
         train_s = time.perf_counter() - t0
         if metrics["step/policy_updated"]:
             self.version += 1
@@ -218,6 +252,8 @@ def run(cfg: LearnerConfig) -> None:
             log.info("resumed at step %d, version %d", learner.update.step_count, learner.version)
         elif learner.rank == 0:  # producers build the architecture from it, then load version 0
             learner.model_config.to_json_file(cfg.weights_dir / "config.json")
+        if learner.rank == 0 and learner.critic is not None:  # SAO.md §5: what the critic trains
+            log.info("critic parameters:\n%s", format_report(param_report(learner.critic)))
         learner.publish()  # version 0, or the restored version again: producers ignore repeats
         if learner.source:
             learner.source.start()

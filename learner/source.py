@@ -1,14 +1,21 @@
-"""The learner's side of `sao.trajectories`: prefetch and decode in a thread, form steps in order.
+"""The learner's side of `sao.trajectories`: prefetch, decode and check in a thread, form steps in order.
 
-A background thread polls Kafka and decodes (bad bytes → `sao.dlq`), so decoding overlaps with
-training and the learner never idles while data is queued; its queue is bounded, and when full it
-pauses the partitions rather than stop polling. The training thread forms each step from that queue
-in arrival order: drop duplicates by trajectory id, drop trajectories staler than `max_staleness`,
-close at `batch_trajectories` or `batch_tokens`. Staleness is judged against the version at step
-formation, so a step's composition does not depend on how far the prefetch thread ran ahead.
+A background thread polls Kafka, decodes (bad bytes → `sao.dlq`) and checks each trajectory against
+what this learner can train (learner/checks.py: untrainable → `sao.dlq` with the reason), so a step
+is only ever formed from trainable trajectories and decoding overlaps with training. Its queue is
+bounded, and when full it pauses the partitions rather than stop polling. The training thread forms
+each step from that queue in arrival order: drop duplicates by trajectory id, drop trajectories
+staler than `max_staleness`, close at `batch_trajectories` or `batch_tokens`. Staleness is judged
+against the version at step formation, so a step's composition does not depend on how far the
+prefetch thread ran ahead. Group baselines (grpo, grpo_dis) take a group only whole: its members
+wait in `held` until all G have arrived (or `group_wait_steps` steps have passed: then a partial
+group of at least 2 trains, a lone member is dropped and counted).
 
-State (consumed positions and the ledger of trained ids) lives here with `state_dict()`, is saved
-in the checkpoint, and is committed to Kafka only after that checkpoint is durable.
+State (consumed positions, the held group members, and the ledger of recently trained ids) lives
+here with `state_dict()`, is saved in the checkpoint, and is committed to Kafka only after that
+checkpoint is durable. The ledger is bounded by age (`dedup_window` ids): duplicates come from a
+prompt replayed after its producer died, so they arrive within a group session timeout plus an
+episode of the original, at any offset; an offset bound would not catch them, an age bound does.
 """
 
 from __future__ import annotations
@@ -17,26 +24,50 @@ import collections
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from confluent_kafka import OFFSET_INVALID, TopicPartition
 
+from learner.checks import Trainable, untrainable
 from schemas import topics as T
-from schemas.kafka import KafkaConfig, consumer_error, dead_letter, decode_or_dead_letter, make_consumer, make_producer
-from schemas.messages import Limits, Trajectory
+from schemas.kafka import (KafkaConfig, consumer_error, dead_letter, dead_letter_record, decode_or_dead_letter,
+                           make_consumer, make_producer)
+from schemas.messages import DeadLetter, Limits, Trajectory
 
 log = logging.getLogger(__name__)
 GROUP = "sao-learner"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A consumed, decoded, trainable trajectory and where it came from."""
+
+    traj: Trajectory
+    payload: bytes
+    partition: int
+    offset: int
 
 
 @dataclass(kw_only=True)
 class Step:
     """One optimizer step's trajectories, in the order they were consumed."""
 
-    trajectories: list[Trajectory] = field(default_factory=list)
-    payloads: list[bytes] = field(default_factory=list)
+    entries: list[Entry] = field(default_factory=list)
     staleness: list[int] = field(default_factory=list)
     num_tokens: int = 0
+
+    @property
+    def trajectories(self) -> list[Trajectory]:
+        return [e.traj for e in self.entries]
+
+    @property
+    def payloads(self) -> list[bytes]:
+        return [e.payload for e in self.entries]
+
+    @property
+    def ids(self) -> list[str]:
+        return [e.traj.id for e in self.entries]
 
 
 def staleness(learner_version: int, traj: Trajectory) -> int:
@@ -45,12 +76,16 @@ def staleness(learner_version: int, traj: Trajectory) -> int:
 
 
 class TrajectorySource:
-    def __init__(self, kafka: KafkaConfig, *, prefetch: int = 512, limits: Limits = Limits()):
-        self.kafka, self.limits = kafka, limits
+    def __init__(self, kafka: KafkaConfig, trainable: Trainable, *, prefetch: int = 512,
+                 limits: Limits = Limits(), dedup_window: int = 1 << 16, group_wait_steps: int = 8):
+        self.kafka, self.trainable, self.limits = kafka, trainable, limits
+        self.dedup_window, self.group_wait_steps = dedup_window, group_wait_steps
         self.topic = kafka.topic(T.TRAJECTORIES)
         self.positions: dict[int, int] = {}  # partition -> next offset to train
-        self.trained: dict[str, int] = {}  # the ledger: trajectory id -> step index
-        self.counts = collections.Counter()  # dlq, duplicate, stale
+        self.trained: dict[str, int] = {}  # the ledger: trajectory id -> step index, oldest first
+        self.held: dict[str, list[Entry]] = {}  # group -> members waiting for the rest
+        self.held_since: dict[str, int] = {}  # group -> step index its first member arrived at
+        self.counts = collections.Counter()  # dlq, duplicate, stale, partial_group, dead_step
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -60,18 +95,27 @@ class TrajectorySource:
         self._watermarks: dict[int, int] = {}
         self._thread: threading.Thread | None = None
         self.consumer = None
+        self.dlq = None  # a producer is thread-safe: the prefetch thread and step formation share it
+        self.error: BaseException | None = None  # what stopped the prefetch thread
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
-        return {"positions": dict(self.positions), "trained": dict(self.trained)}
+        return {"positions": dict(self.positions), "trained": list(self.trained.items()),
+                "held": {g: [(e.payload, e.partition, e.offset) for e in members]
+                         for g, members in self.held.items()},
+                "held_since": dict(self.held_since)}
 
     def load_state_dict(self, state: dict) -> None:
         self.positions = {int(p): int(o) for p, o in state["positions"].items()}
         self.trained = dict(state["trained"])
+        self.held = {g: [Entry(Trajectory.decode(payload, self.limits), payload, p, o) for payload, p, o in members]
+                     for g, members in state["held"].items()}
+        self.held_since = dict(state["held_since"])
 
     # ------------------------------------------------------------------ prefetch thread
     def start(self) -> TrajectorySource:
         self.consumer = make_consumer(self.kafka, GROUP)
+        self.dlq = make_producer(self.kafka)
         self.consumer.subscribe([self.topic], on_assign=self._on_assign)
         self._thread = threading.Thread(target=self._prefetch, name="trajectory-prefetch", daemon=True)
         self._thread.start()
@@ -85,7 +129,6 @@ class TrajectorySource:
         consumer.assign(partitions)
 
     def _prefetch(self) -> None:
-        dlq = make_producer(self.kafka)
         backlog: collections.deque = collections.deque()
         paused = False
         try:
@@ -103,53 +146,102 @@ class TrajectorySource:
                     self.consumer.commit(offsets=offsets, asynchronous=False)
                 self._watermarks = self._high_watermarks()
                 msg = self.consumer.poll(1.0)
-                if msg is None:
+                if msg is None or consumer_error(msg):
                     continue
-                if consumer_error(msg):
-                    continue
-                traj = decode_or_dead_letter(dlq, self.kafka, msg, expect=Trajectory, limits=self.limits)
-                if traj is not None and traj.reward is None:
-                    dead_letter(dlq, self.kafka, msg, "reward: trajectory on sao.trajectories has no reward")
-                    traj = None
-                backlog.append((msg.partition(), msg.offset(), traj, msg.value()))
+                backlog.append((msg.partition(), msg.offset(), self._check(msg), msg.value()))
+        except BaseException as e:  # a fatal Kafka error: step formation re-raises it
+            self.error = e
+            raise
         finally:
             with self._lock:  # the last checkpoint's commit may have come after the last poll
                 if self._to_commit:
                     self.consumer.commit(offsets=self._to_commit, asynchronous=False)
-            dlq.flush(10)
+            self.dlq.flush(10)
+
+    def _check(self, msg) -> Trajectory | None:
+        """The trajectory if it decodes and this learner can train it; else None, dead-lettered."""
+        traj = decode_or_dead_letter(self.dlq, self.kafka, msg, expect=Trajectory, limits=self.limits)
+        if traj is not None and (reason := untrainable(traj, self.trainable)) is not None:
+            dead_letter(self.dlq, self.kafka, msg, reason)
+            return None
+        return traj
 
     # ------------------------------------------------------------------ step formation
     def next_step(self, *, step_index: int, version: int, max_staleness: int, batch_trajectories: int,
-                  batch_tokens: int, stop: threading.Event) -> Step | None:
+                  batch_tokens: int, stop: threading.Event,
+                  poisoned: Callable[[list[str]], str | None] = lambda ids: None) -> Step | None:
         """Block until a step is full; None if `stop` is set first (a partial step is discarded
-        and its trajectories are consumed again after a restart)."""
-        step, ids = Step(), set()
-        snapshot = (dict(self.positions), collections.Counter(self.counts))
-        while len(step.trajectories) < batch_trajectories and step.num_tokens < batch_tokens:
+        and its trajectories are consumed again after a restart). A step that `poisoned` names an
+        error for is dead-lettered whole and the next one is formed in its place."""
+        while (step := self._form(step_index, version, max_staleness, batch_trajectories, batch_tokens,
+                                  stop)) is not None:
+            if (error := poisoned(step.ids)) is None:
+                return step
+            for e in step.entries:
+                dead_letter_record(self.dlq, self.kafka, DeadLetter(
+                    source_topic=self.topic, partition=e.partition, offset=e.offset, error=error,
+                    payload=e.payload), key=e.traj.key)
+            self.dlq.flush(30)
+            self.counts["dead_step"] += 1
+        return None
+
+    def _form(self, step_index: int, version: int, max_staleness: int, batch_trajectories: int,
+              batch_tokens: int, stop: threading.Event) -> Step | None:
+        step = Step()
+        snapshot = (dict(self.positions), collections.Counter(self.counts),
+                    {g: list(m) for g, m in self.held.items()}, dict(self.held_since))
+
+        def take(entries: list[Entry]) -> None:
+            for e in entries:
+                lag = staleness(version, e.traj)
+                if max_staleness >= 0 and lag > max_staleness:
+                    self.counts["stale"] += 1
+                    continue
+                step.entries.append(e)
+                step.staleness.append(lag)
+                step.num_tokens += e.traj.num_tokens
+
+        for group in [g for g, since in self.held_since.items() if step_index - since >= self.group_wait_steps]:
+            members = self._release(group)
+            if len(members) >= 2:
+                take(members)
+            else:
+                self.counts["partial_group"] += len(members)
+        seen = {e.traj.id for members in self.held.values() for e in members}
+        while len(step.entries) < batch_trajectories and step.num_tokens < batch_tokens:
             try:
-                partition, offset, traj, payload = self._queue.get(timeout=0.2)
+                item = self._queue.get(timeout=0.2)
             except queue.Empty:
+                if self.error is not None:
+                    raise RuntimeError("trajectory prefetch stopped") from self.error
                 if stop.is_set():
-                    self.positions, self.counts = snapshot
+                    self.positions, self.counts, self.held, self.held_since = snapshot
                     return None
                 continue
+            partition, offset, traj, payload = item
             self.positions[partition] = offset + 1
             if traj is None:
                 self.counts["dlq"] += 1
-                continue
-            lag = staleness(version, traj)
-            if traj.id in self.trained or traj.id in ids:
+            elif traj.id in self.trained or traj.id in seen:
                 self.counts["duplicate"] += 1
-            elif max_staleness >= 0 and lag > max_staleness:
-                self.counts["stale"] += 1
             else:
-                ids.add(traj.id)
-                step.trajectories.append(traj)
-                step.payloads.append(payload)
-                step.staleness.append(lag)
-                step.num_tokens += traj.num_tokens
-        self.trained.update(dict.fromkeys(ids, step_index))
+                seen.add(traj.id)
+                entry = Entry(traj, payload, partition, offset)
+                if not self.trainable.needs_groups:
+                    take([entry])
+                    continue
+                self.held.setdefault(traj.group, []).append(entry)
+                self.held_since.setdefault(traj.group, step_index)
+                if len(self.held[traj.group]) >= traj.group_size:
+                    take(self._release(traj.group))
+        self.trained.update(dict.fromkeys(step.ids, step_index))
+        while len(self.trained) > self.dedup_window:  # oldest first: dicts keep insertion order
+            del self.trained[next(iter(self.trained))]
         return step
+
+    def _release(self, group: str) -> list[Entry]:
+        del self.held_since[group]
+        return self.held.pop(group)
 
     # ------------------------------------------------------------------ Kafka offsets and lag
     def commit(self) -> None:

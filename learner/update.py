@@ -1,16 +1,19 @@
 """One learner step of SAO (SAO.md §3–§5) and of its baselines (§7), on the same code path.
 
 `SAOUpdate.step(trajectories)` reads top to bottom in paper order:
-1. collate, and refuse the whole step if a reward or an action token's rollout log-prob is not
-   finite (nothing is touched, the step is reported as skipped);
+1. refuse the whole step if a reward or an action token's rollout log-prob is not finite (nothing
+   is touched, the step is reported as skipped); plan this rank's token-budget micro-batches of
+   its token-balanced share (learner/microbatch.py);
 2. advantages and critic targets, once, before any update: skip-observation GAE on the critic's
    values (λ length-adaptive for the policy, λ = 1 for the critic), or a baseline;
-3. K critic steps on the same batch (K = 2; `sao_k1`: 1), attention frozen unless
+3. K critic steps on the same micro-batches (K = 2; `sao_k1`: 1), attention frozen unless
    `sao_full_critic`;
 4. one policy step, except during the critic warm-up: DIS against π_rollout, or (`grpo`) the PPO
    clip against the learner's own weights at batch start.
-Every optimizer step goes through `guarded_step`: loss and gradient norm must be finite, or the
-gradients are dropped and the parameters and optimizer state stay bit-identical.
+Each optimizer step accumulates gradients over the micro-batches, every loss divided by the step's
+global counts, so the step equals the one-shot step on any number of ranks and micro-batches.
+It goes through `guarded_step`: loss and gradient norm must be finite, or the gradients are
+dropped and the parameters and optimizer state stay bit-identical.
 
 Deliberately absent by default: KL and entropy terms (coefficients 0), advantage whitening, and
 staleness filtering (the streaming learner drops stale trajectories before they get here, §6).
@@ -19,24 +22,72 @@ staleness filtering (the streaming learner drops stale trajectories before they 
 from __future__ import annotations
 
 import math
+import typing
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor
 
 from learner.baselines import RunningMean, group_normalised_advantage
 from learner.dis import (PRESETS, LossAgg, aggregate, dis_policy_loss, k3_kl, ppo_clip_policy_loss,
                          ratio_stats)
 from learner.gae import adaptive_lambda, skip_observation_gae, whiten
-from learner.logprobs import Batch, collate, token_logprobs
-from learner.value import ValueModel, critic_values, explained_variance, freeze_attention, value_loss
+from learner.logprobs import Batch, collate, token_logprobs, token_rewards
+from learner.microbatch import StepPlan, StepStats, plan_step
+from learner.value import (ValueModel, critic_values, explained_variance, freeze_attention, value_loss,
+                           value_moments)
 from schemas.messages import Trajectory
 
 Algorithm = Literal["sao", "sao_k1", "sao_full_critic", "grpo", "grpo_dis", "running_mean"]
-CRITIC_ALGORITHMS = ("sao", "sao_k1", "sao_full_critic")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlgorithmSettings:
+    """What an algorithm name means for a step (SAO.md §5, §7), resolved once by `algorithm_settings`."""
+
+    advantage: Literal["gae", "group", "running_mean"]
+    """Skip-observation GAE on the critic's values, the group-normalised reward, or the running mean."""
+    policy_loss: Literal["dis", "ppo_clip"]
+    """DIS against π_rollout, or the PPO clip against the learner's weights at batch start."""
+    critic_updates: int
+    """K critic optimizer steps per step; 0: there is no critic."""
+    freeze_critic_attention: bool
+    """Freeze the critic's attention (SAO.md §5)."""
+    warmup_steps: int
+    """Steps at the start that train only the critic."""
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.critic_updates > 0
+
+
+def algorithm_settings(algorithm: Algorithm, critic_updates: int = 2,
+                       warmup_steps: int = 10) -> AlgorithmSettings:
+    """The one place an algorithm name is interpreted (SAO.md §7's table)."""
+    sao = dict(advantage="gae", policy_loss="dis", critic_updates=critic_updates,
+               freeze_critic_attention=True, warmup_steps=warmup_steps)
+    baseline = dict(policy_loss="dis", critic_updates=0, freeze_critic_attention=False, warmup_steps=0)
+    match algorithm:
+        case "sao":
+            return AlgorithmSettings(**sao)
+        case "sao_k1":
+            return AlgorithmSettings(**sao | {"critic_updates": 1})
+        case "sao_full_critic":
+            return AlgorithmSettings(**sao | {"freeze_critic_attention": False})
+        case "grpo":
+            return AlgorithmSettings(advantage="group", **baseline | {"policy_loss": "ppo_clip"})
+        case "grpo_dis":
+            return AlgorithmSettings(advantage="group", **baseline)
+        case "running_mean":
+            return AlgorithmSettings(advantage="running_mean", **baseline)
+    raise ValueError(f"--algorithm {algorithm!r}: expected one of {typing.get_args(Algorithm)}")
 
 
 @dataclass(kw_only=True)
@@ -74,7 +125,7 @@ class UpdateConfig:
     value_clip: float | None = None
     """PPO-style value clipping range around the pre-update values; None = plain MSE."""
     whiten_advantages: bool = False
-    """Normalise advantages over the batch's action tokens (off: SAO.md §4)."""
+    """Normalise advantages over the step's action tokens (off: SAO.md §4)."""
     kl_coef: float = 0.0
     """Weight of a k3 KL(π_rollout ‖ π_θ) penalty on action tokens (no reference model is kept)."""
     entropy_coef: float = 0.0
@@ -88,14 +139,22 @@ class UpdateConfig:
     running_mean_window: int | None = None
     """W of `running_mean`; None = 8 per prompt, 128 global (SAO.md §7)."""
     packed: bool = False
-    """Run forwards on all real tokens packed into one row instead of the padded batch."""
+    """Run forwards on a micro-batch's real tokens packed into one row instead of padded rows."""
+    micro_batch_tokens: int = 8192
+    """Token budget of one forward: a rank's share of a step is cut into micro-batches of at most
+    this many tokens (rows × longest when padded), gradients accumulated; 0: one micro-batch."""
+    logprob_chunk_tokens: int = 1024
+    """Action tokens whose float32 logits exist at once when computing log-probs and entropy."""
 
     def __post_init__(self):
-        for name in ("lr_policy", "lr_critic", "temperature", "max_grad_norm", "alpha"):
+        for name in ("lr_policy", "lr_critic", "temperature", "max_grad_norm", "alpha",
+                     "logprob_chunk_tokens"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         if self.critic_updates < 1:
             raise ValueError(f"--critic-updates must be >= 1, got {self.critic_updates}")
+        if self.micro_batch_tokens < 0:
+            raise ValueError(f"--micro-batch-tokens must be >= 0, got {self.micro_batch_tokens}")
         low, high = self.eps
         if not (0 < low <= 1 and high > 0):
             raise ValueError(f"--eps-low must be in (0, 1] and --eps-high > 0, got {low}, {high}")
@@ -108,16 +167,8 @@ class UpdateConfig:
                 high if self.eps_high is None else self.eps_high)
 
     @property
-    def uses_critic(self) -> bool:
-        return self.algorithm in CRITIC_ALGORITHMS
-
-    @property
-    def num_critic_updates(self) -> int:
-        return 1 if self.algorithm == "sao_k1" else self.critic_updates
-
-    @property
-    def policy_warmup_steps(self) -> int:
-        return self.warmup_steps if self.uses_critic else 0
+    def settings(self) -> AlgorithmSettings:
+        return algorithm_settings(self.algorithm, self.critic_updates, self.warmup_steps)
 
     @property
     def window(self) -> int:

@@ -161,10 +161,15 @@ def dead_letter(producer: Producer, cfg: KafkaConfig, msg: Message, error: Excep
 
     Returns at once; the caller stores the message's offset and continues.
     """
-    log.warning("dead letter from %s[%d]@%d: %s", msg.topic(), msg.partition(), msg.offset(), error)
-    dl = DeadLetter(source_topic=msg.topic(), partition=msg.partition(), offset=msg.offset(),
-                    error=str(error), payload=msg.value() or b"")
-    produce(producer, cfg.topic(T.DLQ), dl.encode(), key=msg.key(), on_delivery=_log_failure)
+    dead_letter_record(producer, cfg, DeadLetter(source_topic=msg.topic(), partition=msg.partition(),
+                                                 offset=msg.offset(), error=str(error),
+                                                 payload=msg.value() or b""), key=msg.key())
+
+
+def dead_letter_record(producer: Producer, cfg: KafkaConfig, dl: DeadLetter, key: bytes | None = None) -> None:
+    """Publish a dead letter for a record consumed earlier (its message object may be long gone)."""
+    log.warning("dead letter from %s[%d]@%d: %s", dl.source_topic, dl.partition, dl.offset, dl.error)
+    produce(producer, cfg.topic(T.DLQ), dl.encode(), key=key, on_delivery=_log_failure)
 
 
 def decode_or_dead_letter(producer: Producer, cfg: KafkaConfig, msg: Message, expect: type | None = None,

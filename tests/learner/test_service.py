@@ -105,7 +105,7 @@ def test_sigkill_three_times_trains_every_trajectory_exactly_once(kafka_bootstra
     # the 296 in exactly one step, eight to a step, as in the uninterrupted run
     def ledger(run_dir):
         ckpt = sorted((run_dir / "learner" / "checkpoints").glob("*.pt"))[-1]
-        return torch.load(ckpt, weights_only=True)["source"]["trained"]
+        return dict(torch.load(ckpt, weights_only=True)["source"]["trained"])
 
     trained = ledger(run_dir)
     assert set(trained) == {t.id for t in trajs[:296]}
