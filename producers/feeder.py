@@ -1,7 +1,11 @@
 """`sao feed`: publish prompts to `sao.prompts` with backpressure.
 
 Prompts come from a JSONL file (one object per line: `{"task": {...}}`, optionally with `id` and
-`env`, or a bare task map) or from the environment's own task generator. The feeder keeps the
+`env`, or a bare task map) or from the environment's own task generator. A file row keeps one
+prompt id across epochs (its `id`, else `<file name>:<line>`), so per-prompt baselines see its
+history; each epoch is a new `attempt`, so its rollouts are new trajectories, not duplicates.
+`--group-size G` publishes every prompt G times (samples 0..G-1 of one group) for the group
+baselines (grpo, grpo_dis), which the learner trains only as whole groups. The feeder keeps the
 number of unfinished prompts (published, not yet committed by the producers' group) at or below
 `max_unfinished`, so prompts wait in the feeder rather than pile up in the topic while producers
 are slow or absent:
@@ -14,6 +18,7 @@ logged, counted and skipped.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import random
@@ -43,7 +48,11 @@ class FeedConfig:
     jsonl: str = ""
     """JSONL file of prompts; empty: sample tasks from the environment."""
     count: int = 0
-    """Prompts to publish in all (0: the whole file, or forever from the generator)."""
+    """Prompt messages to publish in all (0: every epoch of the file, or forever from the generator)."""
+    epochs: int = 1
+    """Passes over the JSONL file."""
+    group_size: int = 1
+    """Rollouts per prompt: G >= 2 for the group baselines, 1 for SAO (one rollout per prompt)."""
     max_unfinished: int = 64
     """Most prompts published but not yet finished by the producers."""
     group: str = "sao-producers"
@@ -59,8 +68,9 @@ class FeedConfig:
     def __post_init__(self):
         if self.env not in ENVS:
             raise ConfigError(f"--env {self.env!r}: unknown; known: {sorted(ENVS)}")
-        if self.max_unfinished < 1:
-            raise ConfigError("--max-unfinished must be >= 1")
+        for name in ("max_unfinished", "epochs", "group_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
 
 
 def unfinished(high: Mapping[int, int], low: Mapping[int, int], committed: Mapping[int, int]) -> int:
@@ -79,8 +89,7 @@ def prompts_from_jsonl(path: Path, env: str, errors: list[str]) -> Iterator[Prom
                 task = obj.get("task", obj) if isinstance(obj, dict) else None
                 if not isinstance(task, dict):
                     raise ValueError("expected a JSON object (a task, or {\"task\": {...}})")
-                yield Prompt(id=str(obj.get("id") or f"{env}-{uuid.uuid4().hex}"), env=obj.get("env", env),
-                             task=task)
+                yield Prompt(id=str(obj.get("id") or f"{path.name}:{n}"), env=obj.get("env", env), task=task)
             except ValueError as e:
                 errors.append(f"{path}:{n}: {e}")
                 log.error("skipping %s:%d: %s", path, n, e)
@@ -90,6 +99,13 @@ def prompts_from_env(env_name: str, seed: int) -> Iterator[Prompt]:
     env, rng = make_env(env_name), random.Random(seed)
     while True:
         yield Prompt(id=f"{env_name}-{uuid.uuid4().hex}", env=env_name, task=env.sample_task(rng))
+
+
+def fan_out(prompts: Iterator[Prompt], group_size: int) -> Iterator[Prompt]:
+    """Each prompt as the `group_size` samples of one group."""
+    for p in prompts:
+        for sample in range(group_size):
+            yield dataclasses.replace(p, sample=sample, group_size=group_size)
 
 
 class Backlog:
@@ -118,7 +134,12 @@ def run(cfg: FeedConfig, stop: threading.Event | None = None) -> int:
     stop = stop_on_signals(stop)
     ensure_topics(cfg.kafka)
     errors: list[str] = []
-    source = prompts_from_jsonl(Path(cfg.jsonl), cfg.env, errors) if cfg.jsonl else prompts_from_env(cfg.env, cfg.seed)
+    if cfg.jsonl:
+        epochs = (prompts_from_jsonl(Path(cfg.jsonl), cfg.env, errors if e == 0 else []) for e in range(cfg.epochs))
+        tasks = (dataclasses.replace(p, attempt=e) for e, rows in enumerate(epochs) for p in rows)
+    else:
+        tasks = prompts_from_env(cfg.env, cfg.seed)
+    source = fan_out(tasks, cfg.group_size)
     producer, backlog = make_producer(cfg.kafka), Backlog(cfg.kafka, cfg.group)
     topic, sent, exhausted = cfg.kafka.topic(T.PROMPTS), 0, False
     try:

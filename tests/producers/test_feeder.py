@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import threading
 
+import pytest
 from hypothesis import given, strategies as st
 
 from producers.feeder import Backlog, FeedConfig, prompts_from_jsonl, run, unfinished
 from schemas import topics as T
 from schemas.kafka import make_consumer
+from schemas.config import ConfigError
 from schemas.messages import Prompt
 from tests.producers.util import wait_until
 
@@ -42,7 +44,7 @@ def test_jsonl_lines_become_prompts_and_bad_lines_are_skipped(tmp_path):
     errors = []
     prompts = list(prompts_from_jsonl(path, "toy-target", errors))
     assert [p.task for p in prompts] == [{"target": 1}, {"target": 2}, {"question": "q", "answer": 1}]
-    assert prompts[0].id == "a" and prompts[1].id.startswith("toy-target-")
+    assert [p.id for p in prompts] == ["a", "prompts.jsonl:3", "prompts.jsonl:6"]  # stable per row
     assert [p.env for p in prompts] == ["toy-target", "toy-target", "math"]
     assert [e.split(":")[1] for e in errors] == ["2", "4"]
 
@@ -95,3 +97,26 @@ def test_a_counted_feed_publishes_exactly_count_and_waits_until_done(kafka_cfg):
     feeder.join(60)
     assert result == [4] and not feeder.is_alive()
     assert all(p.env == "math" and isinstance(p.task["answer"], int) for p in prompts)
+
+
+def test_epochs_keep_row_ids_and_groups_fan_out_with_distinct_trajectory_ids(kafka_cfg, tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(json.dumps({"target": t}) for t in (1, 2, 3)))
+    cfg = FeedConfig(env="toy-target", jsonl=str(path), epochs=2, group_size=4, max_unfinished=100,
+                     kafka=kafka_cfg)
+    assert run(cfg) == 24
+    prompts = _finish(kafka_cfg, 24)
+    assert {p.id for p in prompts} == {"rows.jsonl:1", "rows.jsonl:2", "rows.jsonl:3"}  # stable per row
+    assert len({p.trajectory_id for p in prompts}) == 24  # a second epoch is new, not a duplicate
+    groups = {}
+    for p in prompts:
+        groups.setdefault(p.group, []).append(p)
+    assert len(groups) == 6  # 3 rows x 2 epochs
+    assert all(sorted(p.sample for p in g) == [0, 1, 2, 3] and {p.group_size for p in g} == {4}
+               and len({json.dumps(p.task) for p in g}) == 1 for g in groups.values())
+
+
+def test_impossible_feed_settings_name_the_flag():
+    for name in ("epochs", "group_size", "max_unfinished"):
+        with pytest.raises(ConfigError, match=f"--{name.replace('_', '-')}"):
+            FeedConfig(**{name: 0})
