@@ -8,10 +8,15 @@ environment (action_mask 0, log-prob 0.0, version −1). The final step's reward
 token of that turn, which is where the learner places them (SAO.md §4). The sampling settings
 travel with it, so the learner can refuse what it would not recompute the same way. The final step's
 observation, if any, is dropped: nothing acts on it.
+
+An episode is a coroutine so a producer keeps many in flight on one event loop: it awaits the
+generator, and runs each environment step in a worker thread (a sandboxed tool call blocks for
+seconds; tokenising does not, but one rule is simpler than two).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import time
@@ -36,8 +41,8 @@ class TrajectoryIds:
     group_size: int = 1
 
 
-def run_episode(episode: Episode, generator: Generator, params: SamplingParams,
-                ids: TrajectoryIds) -> Trajectory:
+async def run_episode(episode: Episode, generator: Generator, params: SamplingParams,
+                      ids: TrajectoryIds) -> Trajectory:
     """Alternate generator turns and environment steps until done or `episode.max_turns`."""
     if params.max_tokens < 1:
         raise ValueError("max_tokens must be >= 1: every turn needs an action token")
@@ -54,11 +59,11 @@ def run_episode(episode: Episode, generator: Generator, params: SamplingParams,
     turn_rewards, timing = [], {"generate_s": 0.0, "env_s": 0.0}
     start = time.perf_counter()
     for turn in range(1, episode.max_turns + 1):
-        gen = generator.generate(np.concatenate(spans["tokens"]).tolist(), params)
+        gen = await generator.generate(np.concatenate(spans["tokens"]).tolist(), params)
         add(gen.token_ids, True, gen.logprobs, gen.versions)
         timing["generate_s"] += gen.timing.get("generate_s", 0.0)
         t = time.perf_counter()
-        step = episode.step(gen.token_ids.tolist())
+        step = await asyncio.to_thread(episode.step, gen.token_ids.tolist())
         timing["env_s"] += time.perf_counter() - t
         if step.done or turn == episode.max_turns:
             break
@@ -78,9 +83,10 @@ def run_episode(episode: Episode, generator: Generator, params: SamplingParams,
 def play_tasks(env: Env, generator: Generator, params: SamplingParams, rng: random.Random, *,
                num_prompts: int, group_size: int = 1, producer_id: str = "local",
                id_prefix: str = "") -> list[Trajectory]:
-    """`num_prompts` fresh tasks of `env`, `group_size` episodes each, played in-process (tests,
-    benchmarks). A task's prompt id is its content, so every repeat of a task shares one running
-    mean and the G episodes of a sampled task form one group."""
+    """`num_prompts` fresh tasks of `env`, `group_size` episodes each, played in-process one after
+    another (tests, benchmarks; sequential so a seeded run samples the same tokens every time). A
+    task's prompt id is its content, so every repeat of a task shares one running mean and the G
+    episodes of a sampled task form one group."""
     trajs = []
     for p in range(num_prompts):
         task = env.sample_task(rng)
@@ -88,5 +94,5 @@ def play_tasks(env: Env, generator: Generator, params: SamplingParams, rng: rand
         for g in range(group_size):
             ids = TrajectoryIds(id=f"{id_prefix}{p}.{g}", prompt_id=prompt_id, env=env.name,
                                 producer_id=producer_id, group=f"{id_prefix}{p}", group_size=group_size)
-            trajs.append(run_episode(env.episode(task), generator, params, ids))
+            trajs.append(asyncio.run(run_episode(env.episode(task), generator, params, ids)))
     return trajs

@@ -2,7 +2,7 @@
 log line with the rates derived from them.
 
 Names: `sao_producer_episodes_total`, `sao_producer_action_tokens_total`,
-`sao_producer_errors_total{kind}`, `sao_producer_weight_version`,
+`sao_producer_errors_total{kind}`, `sao_producer_episodes_in_flight`, `sao_producer_weight_version`,
 `sao_producer_weight_updates{outcome=loaded|rejected|ignored|invalid}`, all labelled by nothing
 else: one registry per producer process, scraped per process.
 """
@@ -27,6 +27,7 @@ class ProducerMetrics:
         self.episodes = Counter("sao_producer_episodes", "Trajectories published", registry=r)
         self.tokens = Counter("sao_producer_action_tokens", "Action tokens generated", registry=r)
         self.errors = Counter("sao_producer_errors", "Prompts not played, by reason", ["kind"], registry=r)
+        self.in_flight = Gauge("sao_producer_episodes_in_flight", "Episodes being played now", registry=r)
         self.version = Gauge("sao_producer_weight_version", "Weight version in use", registry=r)
         self.weights = Gauge("sao_producer_weight_updates", "Weight announcements by outcome", ["outcome"],
                              registry=r)
@@ -45,9 +46,10 @@ class ProducerMetrics:
         self.errors.labels(kind).inc()
         self._n["errors"] += 1
 
-    def tick(self, version: int, subscriber=None) -> None:
+    def tick(self, version: int, subscriber=None, in_flight: int = 0) -> None:
         """Update gauges; log rates when `log_every_s` has passed."""
         self.version.set(version)
+        self.in_flight.set(in_flight)
         counts = subscriber.counts if subscriber is not None else {}
         for outcome, count in counts.items():
             self.weights.labels(outcome).set(count)
@@ -56,9 +58,9 @@ class ProducerMetrics:
         if dt < self.log_every_s:
             return
         rate = {k: (self._n[k] - last[k]) / dt for k in self._n}
-        log.info("producer %s: %.2f episodes/s, %.1f tokens/s, %d episodes, %d errors, weights v%d %s",
-                 self.producer_id, rate["episodes"], rate["tokens"], self._n["episodes"],
-                 self._n["errors"], version, counts)
+        log.info("producer %s: %.2f episodes/s, %.1f tokens/s, %d in flight, %d episodes, %d errors, "
+                 "weights v%d %s", self.producer_id, rate["episodes"], rate["tokens"], in_flight,
+                 self._n["episodes"], self._n["errors"], version, counts)
         self._last = (time.monotonic(), dict(self._n))
 
     def close(self) -> None:

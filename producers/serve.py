@@ -8,9 +8,9 @@ middle of a request. `GET /weight_info` reports the live version, `GET /health` 
 
 Requests that would sample from anything but `softmax(logits / T)` (penalties, min_p, logit
 bias, logprobs > 0, n > 1, streaming) are refused with 400 rather than silently served: the
-returned log-probs must be those of the distribution actually sampled from. Requests run
-concurrently; the generator interleaves their decode steps. Standard library HTTP server, no
-batching: the point is to scale sandbox producers apart from inference, not peak throughput.
+returned log-probs must be those of the distribution actually sampled from. Each request has its
+own thread (standard library HTTP server) that submits to the hf backend's running batch and
+waits, so concurrent requests share decode steps exactly as a producer's episodes in flight do.
 """
 
 from __future__ import annotations
@@ -161,7 +161,7 @@ def make_server(gen: HFGenerator, tokenizer, *, host: str = "127.0.0.1", port: i
             except (BadRequest, ValueError) as e:  # json errors are ValueErrors
                 return self._send(400, {"error": {"message": str(e), "type": "invalid_request_error"}})
             try:
-                out = gen.generate(prompt, params)
+                out = gen.submit(prompt, params).result()
             except Exception as e:  # answer 500 rather than drop the connection; the client retries
                 log.exception("generation failed")
                 return self._send(500, {"error": {"message": f"generation failed: {e}"}})

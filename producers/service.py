@@ -1,37 +1,55 @@
-"""`sao producer`: take a prompt from `sao.prompts`, play an episode, publish the trajectory.
+"""`sao producer`: take prompts from `sao.prompts`, play `--concurrency` episodes at once, publish
+the trajectories.
 
 A member of consumer group `sao-producers` (cooperative-sticky rebalancing, so members come and
 go without stopping the others). Per prompt: decode (bad bytes → `sao.dlq`), play the episode on
 the generator, produce the trajectory to `sao.trajectories` (or `sao.trajectories.pending` when
-the environment gives no reward), wait for the broker's acknowledgement, and only then store and
-commit the prompt's offset. A producer killed mid-episode has committed nothing for that prompt, so
-the group hands it to another member: prompts are delivered at least once. A redelivered prompt
-yields the same trajectory id (`<prompt id>#<attempt>.<sample>`), which is how the learner drops duplicates.
+the environment gives no reward), wait for the broker's acknowledgement, and only then count the
+prompt delivered. Episodes finish out of order, so a partition's offset is committed only up to
+the contiguous prefix of delivered prompts (producers/offsets.py): a producer killed with N
+episodes in flight has committed none of them, and the group hands them to another member
+(at least once). A redelivered prompt yields the same trajectory id (`<prompt id>#<attempt>.<sample>`),
+which is how the learner drops duplicates. A revoked partition's episodes are cancelled and its
+delivered prefix committed before it goes; its new owner replays the rest.
 
-SIGTERM or SIGINT ends the loop after the current episode; the partitions' offsets are
-committed and the consumer leaves the group, handing its partitions to the others at once.
-Weights follow `sao.weights` in a background thread (producers/weights.py). Metrics: Prometheus
-on `--metrics-port`, and a log line every `--log-every-s`.
+Why asyncio and not threads: episodes spend their time waiting (on the generator's batch, a
+sandboxed tool call, the broker's ack), and the things they wait on already have asynchronous
+forms: vLLM's AsyncLLM is asyncio-native, httpx has an async client, the hf backend resolves a
+future per request, the sim backend sleeps on the loop's clock. So 64 episodes in flight are 64
+coroutines on one thread, and all Kafka client calls and offset bookkeeping stay on that thread
+(no locks; rebalance callbacks run inside `poll` there). Only blocking environment steps go to a
+pool of `--concurrency` worker threads. Threads would have needed a lock around the offsets and
+a thread per episode even while it only waits.
+
+SIGTERM or SIGINT stops taking prompts; the episodes in flight finish and are delivered, their
+offsets committed, and the consumer leaves the group, handing its partitions to the others at
+once. Weights follow `sao.weights` in a background thread (producers/weights.py); the generator
+swaps them between decode steps of its running batch. Metrics: Prometheus on `--metrics-port`,
+and a log line every `--log-every-s`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import os
 import socket
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
 
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import KafkaException
 
 from producers.envs import ENVS, make_env
 from producers.envs.chat import Chat
 from producers.episode import TrajectoryIds, run_episode
 from producers.generate.base import Generator, SamplingParams
 from producers.generate.http import InvalidGeneration
+from producers.generate.sim import SimConfig, ToolLatency
 from producers.metrics import ProducerMetrics
+from producers.offsets import OffsetCommitter
 from producers.sandbox import Sandbox, SandboxConfig
 from producers.weights import WeightSubscriber
 from schemas import topics as T
@@ -46,8 +64,11 @@ log = logging.getLogger(__name__)
 
 @dataclass(kw_only=True)
 class ProducerConfig:
-    backend: Literal["hf", "vllm", "http"] = "hf"
-    """Generator: transformers in-process, vLLM in-process, or a completions server (`sao serve`)."""
+    backend: Literal["hf", "vllm", "http", "sim"] = "hf"
+    """Generator: transformers in-process, vLLM in-process, a completions server (`sao serve`), or
+    simulated rollouts without a model (load and systems tests; see --sim.*)."""
+    concurrency: int = 8
+    """Episodes in flight at once; the generator batches their requests."""
     env: str = "toy-target"
     """Environment this producer plays; prompts for another env go to the DLQ."""
     model: str = "tiny-llama"
@@ -77,11 +98,14 @@ class ProducerConfig:
     log_every_s: float = 30.0
     """Seconds between metric log lines."""
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    sim: SimConfig = field(default_factory=SimConfig)
     kafka: KafkaConfig = field(default_factory=KafkaConfig)
 
     def __post_init__(self):
         if self.env not in ENVS:
             raise ConfigError(f"--env {self.env!r}: unknown; known: {sorted(ENVS)}")
+        if self.concurrency < 1:
+            raise ConfigError(f"--concurrency {self.concurrency}: must be >= 1")
         if not self.producer_id:
             self.producer_id = f"{socket.gethostname()}-{os.getpid()}"
 
@@ -98,6 +122,9 @@ def make_generator(cfg: ProducerConfig) -> Generator:
         case "vllm":
             from producers.generate.vllm import VLLMGenerator
             return VLLMGenerator(cfg.model, seed=cfg.seed)
+        case "sim":
+            from producers.generate.sim import SimGenerator
+            return SimGenerator(cfg.sim, seed=cfg.seed)
     raise ValueError(f"--backend {cfg.backend!r}")
 
 
@@ -111,41 +138,42 @@ def make_parts(cfg: ProducerConfig, tokenizer) -> tuple:
     return env, SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens, stop_token_ids=stops)
 
 
-def play(prompt: Prompt, env, generator: Generator, params: SamplingParams, producer_id: str) -> Trajectory:
-    """One episode of `prompt`; SchemaError when its env or task is not one this producer can play."""
-    if prompt.env != env.name:
-        raise SchemaError("env", f"this producer plays {env.name!r}, not {prompt.env!r}")
-    try:
-        episode = env.episode(prompt.task)
-    except SchemaError:
-        raise
-    except (KeyError, TypeError, ValueError, IndexError) as e:  # the env could not read this task
-        raise SchemaError("task", f"{type(e).__name__}: {e}") from e
-    ids = TrajectoryIds(id=prompt.trajectory_id, prompt_id=prompt.id, env=prompt.env,
-                        producer_id=producer_id, group=prompt.group, group_size=prompt.group_size)
-    return run_episode(episode, generator, params, ids)
+@dataclass(kw_only=True)
+class Player:
+    """Plays prompts of one environment on one generator."""
+
+    env: object
+    generator: Generator
+    params: SamplingParams
+    producer_id: str
+    tool_s: float = 0.0  # simulated tool-call time per continuing step (sim backend)
+
+    async def play(self, prompt: Prompt) -> Trajectory:
+        """One episode of `prompt`; SchemaError when its env or task is not one this producer can play."""
+        if prompt.env != self.env.name:
+            raise SchemaError("env", f"this producer plays {self.env.name!r}, not {prompt.env!r}")
+        try:
+            episode = self.env.episode(prompt.task)
+        except SchemaError:
+            raise
+        except (KeyError, TypeError, ValueError, IndexError) as e:  # the env could not read this task
+            raise SchemaError("task", f"{type(e).__name__}: {e}") from e
+        if self.tool_s:
+            episode = ToolLatency(episode, self.tool_s)
+        ids = TrajectoryIds(id=prompt.trajectory_id, prompt_id=prompt.id, env=prompt.env,
+                            producer_id=self.producer_id, group=prompt.group, group_size=prompt.group_size)
+        return await run_episode(episode, self.generator, self.params, ids)
 
 
-def deliver(producer, topic: str, traj: Trajectory) -> None:
-    """Produce the trajectory and block until the broker acknowledges it; raise if it cannot."""
-    result = {}
-    produce(producer, topic, traj.encode(), key=traj.key, on_delivery=lambda err, _: result.update(err=err))
-    while "err" not in result:
-        producer.poll(0.1)
-    if result["err"] is not None:
-        raise KafkaException(result["err"])
-
-
-def commit(consumer, msg=None) -> None:
-    """Store `msg`'s offset (if given) and commit what is stored; a partition revoked meanwhile
-    just means its new owner replays the prompt (at least once)."""
-    try:
-        if msg is not None:
-            consumer.store_offsets(msg)
-        consumer.commit(asynchronous=False)
-    except KafkaException as e:
-        if e.args[0].code() != KafkaError._NO_OFFSET:
-            log.warning("offset commit failed (%s); the prompt may be replayed", e.args[0])
+async def deliver(producer, topic: str, traj: Trajectory) -> None:
+    """Produce the trajectory and wait until the broker acknowledges it; raise if it cannot. The
+    acknowledgement arrives in `producer.poll`, which the service loop calls on this thread."""
+    acked = asyncio.get_running_loop().create_future()
+    produce(producer, topic, traj.encode(), key=traj.key,
+            on_delivery=lambda err, _: acked.done() or acked.set_result(err))
+    err = await acked
+    if err is not None:
+        raise KafkaException(err)
 
 
 def run(cfg: ProducerConfig, stop: threading.Event | None = None) -> None:
@@ -155,49 +183,116 @@ def run(cfg: ProducerConfig, stop: threading.Event | None = None) -> None:
     ensure_topics(cfg.kafka)
     generator = make_generator(cfg)
     env, params = make_parts(cfg, load_tokenizer(cfg.model))
+    player = Player(env=env, generator=generator, params=params, producer_id=cfg.producer_id,
+                    tool_s=cfg.sim.tool_s if cfg.backend == "sim" else 0.0)
     metrics = ProducerMetrics(cfg.producer_id, cfg.metrics_port, cfg.log_every_s)
-    sub = WeightSubscriber(cfg.kafka, generator, verify_files=cfg.backend != "http") if cfg.follow_weights else None
+    sub = WeightSubscriber(cfg.kafka, generator, verify_files=cfg.backend in ("hf", "vllm")) if cfg.follow_weights else None
     producer = make_producer(cfg.kafka)
     consumer = make_consumer(cfg.kafka, cfg.group, **{"partition.assignment.strategy": "cooperative-sticky"})
-    topics = {True: cfg.kafka.topic(T.TRAJECTORIES), False: cfg.kafka.topic(T.PENDING)}
     done = 0
     try:
         if sub is not None and not sub.start().caught_up.wait(120):
             log.warning("weights backlog not read within 120 s; starting on version %d", generator.version)
-        consumer.subscribe([cfg.kafka.topic(T.PROMPTS)], on_revoke=lambda c, _: commit(c),
-                           on_lost=lambda _, ps: log.warning("lost partitions %s", [p.partition for p in ps]))
-        log.info("producer %s: %s backend, env %s, weights v%d", cfg.producer_id, cfg.backend, env.name,
-                 generator.version)
-        while not stop.is_set() and not (cfg.max_prompts and done >= cfg.max_prompts):
-            metrics.tick(generator.version, sub)
-            msg = consumer.poll(0.5)
-            if msg is None:
-                continue
-            if consumer_error(msg):
-                continue
-            prompt = decode_or_dead_letter(producer, cfg.kafka, msg, Prompt)
-            if prompt is None:
-                producer.flush(30)  # the dead letter is durable before the offset moves
-                metrics.error("undecodable")
-            else:
-                log.info("episode start: prompt %s (partition %d offset %d)", prompt.id, msg.partition(),
-                         msg.offset())
-                try:
-                    traj = play(prompt, env, generator, params, cfg.producer_id)
-                    deliver(producer, topics[traj.reward is not None], traj)
-                    metrics.episode(traj)
-                except (SchemaError, InvalidGeneration) as e:  # this prompt cannot be played: DLQ it
-                    dead_letter(producer, cfg.kafka, msg, e)
-                    producer.flush(30)  # the dead letter is durable before the offset moves
-                    metrics.error(type(e).__name__)
-            commit(consumer, msg)
-            done += 1
-            if sub is not None and sub.error is not None:
-                raise RuntimeError("weights subscription died") from sub.error
+        log.info("producer %s: %s backend, env %s, %d episodes in flight, weights v%d", cfg.producer_id,
+                 cfg.backend, env.name, cfg.concurrency, generator.version)
+        done = asyncio.run(Service(cfg, consumer, producer, player, metrics, sub, stop).run())
     finally:
         producer.flush(30)
-        consumer.close()  # commits nothing new: offsets were committed per prompt; leaves the group
+        consumer.close()  # commits nothing new: offsets were committed as prompts were delivered; leaves the group
         if sub is not None:
             sub.close()
         metrics.close()
         log.info("producer %s stopped after %d prompts", cfg.producer_id, done)
+
+
+class Service:
+    """The consumer loop on one event loop: take prompts while fewer than `concurrency` episodes are
+    in flight, serve delivery callbacks, and commit the delivered prefix of each partition."""
+
+    def __init__(self, cfg: ProducerConfig, consumer, producer, player: Player, metrics: ProducerMetrics,
+                 sub: WeightSubscriber | None, stop: threading.Event):
+        self.cfg, self.consumer, self.producer, self.player = cfg, consumer, producer, player
+        self.metrics, self.sub, self.stop = metrics, sub, stop
+        self.offsets = OffsetCommitter(consumer, cfg.kafka.topic(T.PROMPTS))
+        self.in_flight: dict[asyncio.Task, int] = {}  # episode -> its prompt's partition
+        self.topics = {True: cfg.kafka.topic(T.TRAJECTORIES), False: cfg.kafka.topic(T.PENDING)}
+
+    async def run(self) -> int:
+        """Returns the number of prompts taken."""
+        asyncio.get_running_loop().set_default_executor(
+            ThreadPoolExecutor(self.cfg.concurrency, thread_name_prefix="env-step"))  # env steps block
+        self.consumer.subscribe([self.cfg.kafka.topic(T.PROMPTS)], on_revoke=self._on_revoke,
+                                on_lost=self._on_lost)
+        taken = 0
+        while not self.stop.is_set() and not (self.cfg.max_prompts and taken >= self.cfg.max_prompts):
+            self.metrics.tick(self.player.generator.version, self.sub, len(self.in_flight))
+            self.producer.poll(0)  # delivery callbacks resolve the episodes' acks, on this thread
+            self._reap()
+            if len(self.in_flight) < self.cfg.concurrency and (msg := self.consumer.poll(0)) is not None:
+                if not consumer_error(msg):
+                    self._take(msg)
+                    taken += 1
+                continue  # take the next one at once
+            await self._idle()
+        while self.in_flight:  # stop: finish what is in flight, then commit it
+            self.producer.poll(0)
+            await self._idle()
+            self._reap()
+        self.offsets.commit(list(self.offsets.positions))
+        return taken
+
+    async def _idle(self) -> None:
+        """Wait up to 10 ms for an episode to finish (the cadence of polls and acks)."""
+        if self.in_flight:
+            await asyncio.wait(self.in_flight, timeout=0.01, return_when=asyncio.FIRST_COMPLETED)
+        else:
+            await asyncio.sleep(0.01)
+
+    def _reap(self) -> None:
+        """Forget finished episodes; one that raised past its own handling ends the service."""
+        for task in [t for t in self.in_flight if t.done()]:
+            del self.in_flight[task]
+            if not task.cancelled() and task.exception() is not None:
+                raise task.exception()
+        if self.sub is not None and self.sub.error is not None:
+            raise RuntimeError("weights subscription died") from self.sub.error
+
+    def _take(self, msg) -> None:
+        self.offsets.take(msg.partition(), msg.offset())
+        prompt = decode_or_dead_letter(self.producer, self.cfg.kafka, msg, Prompt)
+        if prompt is None:
+            self.producer.flush(30)  # the dead letter is durable before the offset moves
+            self.metrics.error("undecodable")
+            self.offsets.deliver(msg.partition(), msg.offset())
+            return
+        log.info("episode start: prompt %s (partition %d offset %d)", prompt.id, msg.partition(), msg.offset())
+        self.in_flight[asyncio.create_task(self._episode(msg, prompt))] = msg.partition()
+
+    async def _episode(self, msg, prompt: Prompt) -> None:
+        try:
+            traj = await self.player.play(prompt)
+            await deliver(self.producer, self.topics[traj.reward is not None], traj)
+            self.metrics.episode(traj)
+        except (SchemaError, InvalidGeneration) as e:  # this prompt cannot be played: DLQ it
+            dead_letter(self.producer, self.cfg.kafka, msg, e)
+            self.producer.flush(30)  # the dead letter is durable before the offset moves
+            self.metrics.error(type(e).__name__)
+        self.offsets.deliver(msg.partition(), msg.offset())
+
+    def _on_revoke(self, consumer, partitions) -> None:
+        """Cancel the revoked partitions' episodes and commit their delivered prefix; the new owner
+        replays the rest (runs inside `consumer.poll`, on the loop's thread)."""
+        revoked = {p.partition for p in partitions}
+        for task, partition in self.in_flight.items():
+            if partition in revoked:
+                task.cancel()
+        self.offsets.commit(revoked)
+        self.offsets.forget(revoked)
+
+    def _on_lost(self, consumer, partitions) -> None:
+        log.warning("lost partitions %s; their episodes in flight are dropped", [p.partition for p in partitions])
+        lost = {p.partition for p in partitions}
+        for task, partition in self.in_flight.items():
+            if partition in lost:
+                task.cancel()
+        self.offsets.forget(lost)

@@ -1,9 +1,14 @@
-"""The generator interface every backend (hf, vllm, http) implements.
+"""The generator interface every backend (hf, vllm, http, sim) implements.
 
 prompt token ids + sampling params → sampled token ids, their log-probs under the distribution
 actually sampled from (`log_softmax(logits / T)` of the sampled token, after any truncation), and
 the weight version that sampled each token. Weights may change between two decode steps of one
 call; `versions` records where.
+
+`generate` is a coroutine: a producer keeps many episodes in flight on one event loop, and every
+backend serves concurrent calls together (vLLM's AsyncLLM natively, the http backend through an
+async client, the hf backend by batching the decode steps of the calls in flight). `load_weights`
+is a plain call, made from the weights thread.
 """
 
 from __future__ import annotations
@@ -45,7 +50,16 @@ class Generator(Protocol):
     def version(self) -> int:
         """Weight version currently loaded (0 = the initial checkpoint)."""
 
-    def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation: ...
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation: ...
 
     def load_weights(self, path: str, version: int) -> None:
         """Swap in a safetensors file of the policy's full state dict, between decode steps."""
+
+
+def check_request(prompt_ids: Sequence[int], params: SamplingParams) -> None:
+    """ValueError for a request no backend can serve with exact log-probs."""
+    if params.temperature <= 0:
+        raise ValueError(f"temperature must be > 0 (got {params.temperature}): the log-prob "
+                         "contract needs a distribution")
+    if not prompt_ids:
+        raise ValueError("empty prompt")

@@ -1,10 +1,17 @@
-"""The `hf` generator backend: a transformers causal LM in-process, CPU or CUDA.
+"""The `hf` generator backend: a transformers causal LM in-process, CPU or CUDA, with dynamic batching.
 
-Decoding runs one token per model forward over a `DynamicCache` (no `model.generate`), so weights
-can change between any two tokens. Each decode step holds `_step_lock`; `load_weights` reads and
-checks the file without it, queues the swap, and the swap happens at the next step boundary, by
-whichever thread gets the lock first. Every token records the version that sampled it. The KV
-cache built under the old weights is kept across a swap, as asynchronous engines do.
+One engine thread decodes every request in flight as one batch, one token per model forward (no
+`model.generate`). Requests join and leave the running batch between decode steps: a joining
+request is prefilled alone, then its KV cache is left-padded to the batch's length and stacked
+onto it; a finished request's row is dropped. Padding is masked out of attention and every row
+gets its own position ids, so a row's logits are those of its own sequence alone (the property
+the importance ratio depends on, tested against a full forward). On CPU, where a forward of
+B rows costs far less than B forwards, throughput rises with the number of requests in flight.
+
+Weights may change between any two decode steps: each step holds `_step_lock`; `load_weights`
+reads and checks the file without it, queues the swap, and the swap happens at the next step
+boundary. Every token records the version that sampled it. The KV cache built under the old
+weights is kept across a swap, as asynchronous engines do.
 
 Log-probs are `log_softmax(logits / T)` of the sampled token in float32, after top-k / top-p
 truncation when enabled (then of the renormalised truncated distribution).
@@ -12,16 +19,19 @@ truncation when enabled (then of the renormalised truncated distribution).
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from safetensors.torch import load_file
 from transformers import DynamicCache
 
-from producers.generate.base import Generation, SamplingParams
+from producers.generate.base import Generation, SamplingParams, check_request
 
 
 def truncate(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -47,17 +57,54 @@ def sample_token(logits: torch.Tensor, params: SamplingParams,
     return token, float(logp[token])
 
 
+@dataclass(eq=False)
+class _Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    rng: torch.Generator
+    future: Future
+    start: float = field(default_factory=time.perf_counter)
+    cached: int = 0  # tokens of this sequence in the KV cache
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    def sample(self, logits: torch.Tensor, version: int) -> bool:
+        """Sample the next token from (V,) logits; True when the request is finished."""
+        token, logp = sample_token(logits, self.params, self.rng)
+        self.tokens.append(token)
+        self.logprobs.append(logp)
+        self.versions.append(version)
+        return token in self.params.stop_token_ids or len(self.tokens) >= self.params.max_tokens
+
+    def finish(self) -> None:
+        if not self.future.set_running_or_notify_cancel():
+            return  # its episode was cancelled (partition revoked, shutdown)
+        stopped = self.tokens[-1] in self.params.stop_token_ids
+        self.future.set_result(Generation(
+            token_ids=np.array(self.tokens, np.int32), logprobs=np.array(self.logprobs, np.float32),
+            versions=np.array(self.versions, np.int32), finish_reason="stop" if stopped else "length",
+            timing={"generate_s": time.perf_counter() - self.start}))
+
+
 class HFGenerator:
     """Implements producers.generate.base.Generator over a transformers causal LM."""
 
-    def __init__(self, model: torch.nn.Module, *, version: int = 0, seed: int = 0):
+    def __init__(self, model: torch.nn.Module, *, version: int = 0, seed: int = 0, max_batch: int = 64):
         self.model = model.eval()
         self.device = next(model.parameters()).device
+        self.max_batch = max_batch
         self._version = version
-        self._step_lock = threading.Lock()  # held for one decode step, or one weight swap
+        self._step_lock = threading.Lock()  # held for one engine step, or one weight swap
         self._pending_lock = threading.Lock()  # guards _pending only; never waits on a step
         self._pending: tuple[dict[str, torch.Tensor], int] | None = None
         self._rng = torch.Generator(device=self.device).manual_seed(seed)
+        self._waiting: list[_Request] = []
+        self._wake = threading.Condition()
+        self._rows: list[_Request] = []  # the running batch, one row each
+        self._kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer, (B, H, P, D) left-padded
+        self._closed = False
+        threading.Thread(target=self._engine, name="hf-engine", daemon=True).start()
 
     @property
     def version(self) -> int:
@@ -77,7 +124,7 @@ class HFGenerator:
             if version < newest:
                 raise ValueError(f"version {version} is older than {newest}")
             self._pending = (state, version)
-        with self._step_lock:  # the next step boundary; a decoding thread may get there first
+        with self._step_lock:  # the next step boundary; the engine may get there first
             self._apply_pending()
 
     def _apply_pending(self) -> None:
@@ -89,31 +136,102 @@ class HFGenerator:
             self.model.load_state_dict(state, strict=True)
             self._version = version
 
-    def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
-        if params.temperature <= 0:
-            raise ValueError(f"temperature must be > 0 (got {params.temperature}): the log-prob "
-                             "contract needs a distribution")
-        if not prompt_ids:
-            raise ValueError("empty prompt")
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> Future:
+        """Queue a request for the running batch; the future resolves to its Generation."""
+        check_request(prompt_ids, params)
         rng = self._rng if params.seed is None else torch.Generator(self.device).manual_seed(params.seed)
-        cache = DynamicCache(config=self.model.config)
-        step_input = torch.tensor([list(prompt_ids)], device=self.device)  # the prefill, then 1 token
-        tokens, logprobs, versions, finish = [], [], [], "length"
-        start = time.perf_counter()
-        for _ in range(params.max_tokens):
+        req = _Request([int(t) for t in prompt_ids], params, rng, Future())
+        with self._wake:
+            self._waiting.append(req)
+            self._wake.notify()
+        return req.future
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
+        return await asyncio.wrap_future(self.submit(prompt_ids, params))
+
+    def close(self) -> None:
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+
+    def _engine(self) -> None:
+        while True:
+            with self._wake:
+                while not (self._waiting or self._rows or self._closed):
+                    self._wake.wait()
+                if self._closed:
+                    return
+                room = self.max_batch - len(self._rows)
+                joining, self._waiting = self._waiting[:room], self._waiting[room:]
             with self._step_lock, torch.inference_mode():
-                self._apply_pending()
-                logits = self.model(input_ids=step_input, past_key_values=cache,
-                                    use_cache=True).logits[0, -1]
-                token, logp = sample_token(logits, params, rng)
-                versions.append(self._version)
-            tokens.append(token)
-            logprobs.append(logp)
-            if token in params.stop_token_ids:
-                finish = "stop"
-                break
-            step_input = torch.tensor([[token]], device=self.device)
-        return Generation(token_ids=np.array(tokens, dtype=np.int32),
-                          logprobs=np.array(logprobs, dtype=np.float32),
-                          versions=np.array(versions, dtype=np.int32), finish_reason=finish,
-                          timing={"generate_s": time.perf_counter() - start})
+                try:
+                    self._apply_pending()
+                    self._step(joining)
+                except Exception as e:  # the requests fail, the engine lives on for the next ones
+                    for req in [*joining, *self._rows]:
+                        if req.future.set_running_or_notify_cancel():
+                            req.future.set_exception(e)
+                    self._rows, self._kv = [], []
+
+    def _step(self, joining: list[_Request]) -> None:
+        """Prefill the joining requests, then one decode step of the whole batch."""
+        for req in joining:
+            if not req.future.cancelled():
+                self._prefill(req)
+        self._keep([r for r in self._rows if not r.future.cancelled()])
+        if not self._rows:
+            return
+        pads = [self._kv[0][0].shape[2] - r.cached for r in self._rows]
+        mask = torch.ones(len(self._rows), self._kv[0][0].shape[2] + 1, dtype=torch.long, device=self.device)
+        for i, pad in enumerate(pads):
+            mask[i, :pad] = 0  # left padding of rows shorter than the batch
+        out = self.model(input_ids=torch.tensor([[r.tokens[-1]] for r in self._rows], device=self.device),
+                         attention_mask=mask,
+                         position_ids=torch.tensor([[r.cached] for r in self._rows], device=self.device),
+                         past_key_values=DynamicCache(self._kv), use_cache=True)
+        self._kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+        logits = out.logits[:, -1]  # (B, V)
+        finished = []
+        for i, req in enumerate(self._rows):
+            req.cached += 1
+            if req.sample(logits[i], self._version):
+                finished.append(req)
+        for req in finished:
+            req.finish()
+        self._keep([r for r in self._rows if r not in finished])
+
+    def _prefill(self, req: _Request) -> None:
+        """Run the prompt alone, sample its first token, and stack its cache onto the batch."""
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(input_ids=torch.tensor([req.prompt_ids], device=self.device),
+                         past_key_values=cache, use_cache=True)
+        req.cached = len(req.prompt_ids)
+        if req.sample(out.logits[0, -1], self._version):
+            return req.finish()
+        new = [(layer.keys, layer.values) for layer in out.past_key_values.layers]  # (1, H, L, D)
+        if not self._rows:
+            self._rows, self._kv = [req], new
+            return
+        width = max(self._kv[0][0].shape[2], req.cached)
+        self._kv = [(torch.cat([_left_pad(k, width), _left_pad(nk, width)]),
+                     torch.cat([_left_pad(v, width), _left_pad(nv, width)]))
+                    for (k, v), (nk, nv) in zip(self._kv, new)]  # a copy of the batch's cache
+        self._rows.append(req)
+
+    def _keep(self, rows: list[_Request]) -> None:
+        """Narrow the batch to `rows` (a subset, in order) and drop padding no row needs."""
+        if len(rows) == len(self._rows):
+            return
+        if not rows:
+            self._rows, self._kv = [], []
+            return
+        index = torch.tensor([self._rows.index(r) for r in rows], device=self.device)
+        trim = self._kv[0][0].shape[2] - max(r.cached for r in rows)
+        self._kv = [(k.index_select(0, index)[:, :, trim:], v.index_select(0, index)[:, :, trim:])
+                    for k, v in self._kv]
+        self._rows = rows
+
+
+def _left_pad(x: torch.Tensor, width: int) -> torch.Tensor:
+    """(B, H, L, D) → (B, H, width, D) with zeros in front (masked out of attention)."""
+    return torch.nn.functional.pad(x, (0, 0, width - x.shape[2], 0))

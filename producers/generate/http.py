@@ -13,10 +13,15 @@ Weight versions, per token, in order of preference:
    process, owns the weights).
 A log-prob ≤ -9999 is vLLM's clamp of -inf/NaN (VLLM.md pitfall 9): the call fails with
 `InvalidGeneration` rather than publish a made-up number.
+
+Calls go through one `httpx.AsyncClient` per event loop (its connection pool belongs to the loop
+that opened it), so a producer's episodes in flight are concurrent requests over pooled
+connections and the server batches them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import re
@@ -101,14 +106,25 @@ class HttpGenerator:
     """Implements producers.generate.base.Generator against a completions server."""
 
     def __init__(self, base_url: str, *, model: str = "default", timeout_s: float = 600.0,
-                 retries: int = 30, client: httpx.Client | None = None):
+                 retries: int = 30, max_connections: int = 256):
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.retries = retries
-        self.client = client or httpx.Client(timeout=timeout_s)
+        self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        self._timeout = timeout_s
+        self._clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
         self._announced = 0
         self._seen = 0
         self._weight_info = True  # until the server says it has no such endpoint
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        """The running loop's client."""
+        loop = asyncio.get_running_loop()
+        if loop not in self._clients:
+            self._clients = {lp: c for lp, c in self._clients.items() if not lp.is_closed()}
+            self._clients[loop] = httpx.AsyncClient(timeout=self._timeout, limits=self._limits)
+        return self._clients[loop]
 
     @property
     def version(self) -> int:
@@ -118,11 +134,11 @@ class HttpGenerator:
         """The server loads weights itself; remember the announced version as the fallback tag."""
         self._announced = max(self._announced, version)
 
-    def _post(self, body: dict) -> dict:
+    async def _post(self, body: dict) -> dict:
         """POST with bounded backoff on transport errors and 5xx; a 4xx raises InvalidGeneration."""
         for attempt in range(self.retries + 1):
             try:
-                r = self.client.post(f"{self.base_url}/v1/completions", json=body)
+                r = await self.client.post(f"{self.base_url}/v1/completions", json=body)
                 if 400 <= r.status_code < 500:  # this request is refused: the prompt goes to the DLQ
                     raise InvalidGeneration(f"server refused the request ({r.status_code}): {r.text[:300]}")
                 if r.status_code < 500:
@@ -134,13 +150,13 @@ class HttpGenerator:
             if attempt == self.retries:
                 raise err
             log.warning("completions call failed (%s); retry %d/%d", err, attempt + 1, self.retries)
-            time.sleep(min(0.2 * 2 ** attempt, 5.0))
+            await asyncio.sleep(min(0.2 * 2 ** attempt, 5.0))
         raise AssertionError("unreachable")
 
-    def _server_version(self) -> int | None:
+    async def _server_version(self) -> int | None:
         if not self._weight_info:
             return None
-        r = self.client.get(f"{self.base_url}/weight_info")
+        r = await self.client.get(f"{self.base_url}/weight_info")
         if r.status_code == 404:
             self._weight_info = False
             return None
@@ -148,17 +164,20 @@ class HttpGenerator:
         label = r.json().get("weight_version")  # vLLM: the label set by update_weight_version, or None
         return None if label is None else as_version(label)
 
-    def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
         start = time.perf_counter()
-        resp = self._post(request_body(prompt_ids, params, self.model))
+        resp = await self._post(request_body(prompt_ids, params, self.model))
         tokens, logprobs, versions, finish = parse_choice(resp["choices"][0])
         if versions is None:
-            server = self._server_version()
+            server = await self._server_version()
             versions = np.full(len(tokens), self.version if server is None else server, np.int32)
         if len(versions):
             self._seen = max(self._seen, int(versions.max()))
         return Generation(token_ids=tokens, logprobs=logprobs, versions=versions, finish_reason=finish,
                           timing={"generate_s": time.perf_counter() - start})
 
-    def close(self) -> None:
-        self.client.close()
+    async def aclose(self) -> None:
+        """Close the running loop's client (others close with their loops)."""
+        client = self._clients.pop(asyncio.get_running_loop(), None)
+        if client is not None:
+            await client.aclose()

@@ -105,7 +105,8 @@ class WorkerExtension:
 
 
 class VLLMGenerator:
-    """Implements producers.generate.base.Generator over an `AsyncLLM` run on its own event loop."""
+    """Implements producers.generate.base.Generator over an `AsyncLLM` run on its own event loop
+    (its own, not the producer's, so that `load_weights` from the weights thread can drive it)."""
 
     def __init__(self, model: str, *, seed: int = 0, **engine_args):
         from vllm import AsyncEngineArgs
@@ -162,5 +163,8 @@ class VLLMGenerator:
         return Generation(token_ids=tokens, logprobs=logprobs, versions=versions, finish_reason=finish,
                           timing={"generate_s": time.perf_counter() - start})
 
-    def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
-        return self._call(self._generate([int(t) for t in prompt_ids], params))
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
+        """Runs on the engine's own loop (AsyncLLM batches every request in flight there); the
+        caller's loop awaits it."""
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
+            self._generate([int(t) for t in prompt_ids], params), self._loop))

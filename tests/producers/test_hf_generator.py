@@ -31,7 +31,7 @@ def full_forward_logprobs(model, tokens, n_new, temperature):
 def test_cached_decoding_log_probs_match_a_full_forward(build):
     model = build(seed=1)
     gen = HFGenerator(model, seed=0)
-    out = gen.generate(PROMPT, SamplingParams(temperature=0.8, max_tokens=12))
+    out = gen.submit(PROMPT, SamplingParams(temperature=0.8, max_tokens=12)).result()
     assert len(out.token_ids) == 12 and out.finish_reason == "length"
     assert out.token_ids.dtype.name == "int32" and out.logprobs.dtype.name == "float32"
     ref = full_forward_logprobs(model, PROMPT + out.token_ids.tolist(), 12, 0.8)
@@ -41,21 +41,21 @@ def test_cached_decoding_log_probs_match_a_full_forward(build):
 
 def test_seed_makes_sampling_reproducible():
     gen = HFGenerator(tiny_llama(seed=1))
-    a = gen.generate(PROMPT, SamplingParams(max_tokens=16, seed=3))
-    b = gen.generate(PROMPT, SamplingParams(max_tokens=16, seed=3))
-    c = gen.generate(PROMPT, SamplingParams(max_tokens=16, seed=4))
+    a = gen.submit(PROMPT, SamplingParams(max_tokens=16, seed=3)).result()
+    b = gen.submit(PROMPT, SamplingParams(max_tokens=16, seed=3)).result()
+    c = gen.submit(PROMPT, SamplingParams(max_tokens=16, seed=4)).result()
     assert a.token_ids.tolist() == b.token_ids.tolist() != c.token_ids.tolist()
     # without a per-call seed, the generator's own seeded stream decides
-    d = HFGenerator(tiny_llama(seed=1), seed=9).generate(PROMPT, SamplingParams(max_tokens=16))
-    e = HFGenerator(tiny_llama(seed=1), seed=9).generate(PROMPT, SamplingParams(max_tokens=16))
+    d = HFGenerator(tiny_llama(seed=1), seed=9).submit(PROMPT, SamplingParams(max_tokens=16)).result()
+    e = HFGenerator(tiny_llama(seed=1), seed=9).submit(PROMPT, SamplingParams(max_tokens=16)).result()
     assert d.token_ids.tolist() == e.token_ids.tolist()
 
 
 def test_stop_token_ends_generation_and_is_kept():
     gen = HFGenerator(tiny_llama(seed=1))
-    first = gen.generate(PROMPT, SamplingParams(max_tokens=8, seed=0))
+    first = gen.submit(PROMPT, SamplingParams(max_tokens=8, seed=0)).result()
     stop = int(first.token_ids[2])
-    out = gen.generate(PROMPT, SamplingParams(max_tokens=8, seed=0, stop_token_ids=(stop,)))
+    out = gen.submit(PROMPT, SamplingParams(max_tokens=8, seed=0, stop_token_ids=(stop,))).result()
     cut = first.token_ids.tolist().index(stop) + 1
     assert out.token_ids.tolist() == first.token_ids[:cut].tolist() and out.finish_reason == "stop"
 
@@ -71,20 +71,20 @@ def test_truncation_by_hand():
 
 def test_truncated_log_prob_is_of_the_renormalised_distribution():
     model = tiny_llama(seed=1)
-    out = HFGenerator(model).generate(PROMPT, SamplingParams(max_tokens=6, top_k=1, seed=0))
+    out = HFGenerator(model).submit(PROMPT, SamplingParams(max_tokens=6, top_k=1, seed=0)).result()
     assert (out.logprobs == 0.0).all()  # a single surviving token has probability 1
     with torch.no_grad():  # and it is the greedy token
         tokens = PROMPT + out.token_ids.tolist()
         logits = model(input_ids=torch.tensor([tokens])).logits[0]
     assert logits[len(PROMPT) - 1:-1].argmax(-1).tolist() == out.token_ids.tolist()
-    out = HFGenerator(model).generate(PROMPT, SamplingParams(max_tokens=6, top_k=5, seed=0))
+    out = HFGenerator(model).submit(PROMPT, SamplingParams(max_tokens=6, top_k=5, seed=0)).result()
     full = full_forward_logprobs(model, PROMPT + out.token_ids.tolist(), 6, 1.0)
     assert (torch.from_numpy(out.logprobs) > full).all()  # renormalised over 5 tokens
 
 
 def test_non_positive_temperature_is_refused():
     with pytest.raises(ValueError, match="temperature"):
-        HFGenerator(tiny_llama()).generate(PROMPT, SamplingParams(temperature=0.0))
+        HFGenerator(tiny_llama()).submit(PROMPT, SamplingParams(temperature=0.0)).result()
 
 
 def test_load_weights_swaps_and_records_the_version(tmp_path):
@@ -95,7 +95,7 @@ def test_load_weights_swaps_and_records_the_version(tmp_path):
     assert gen.version == 5
     for p, q in zip(gen.model.parameters(), other.parameters()):
         assert torch.equal(p, q)
-    out = gen.generate(PROMPT, SamplingParams(max_tokens=3))
+    out = gen.submit(PROMPT, SamplingParams(max_tokens=3)).result()
     assert out.versions.tolist() == [5, 5, 5]
     with pytest.raises(ValueError, match="older"):
         gen.load_weights(str(tmp_path / "w.safetensors"), version=4)
@@ -128,10 +128,71 @@ def test_swap_from_another_thread_lands_between_decode_steps(tmp_path):
             time.sleep(0.3)  # the loader reads the file and queues the swap meanwhile
 
     handle = model.register_forward_hook(hook)
-    out = gen.generate(PROMPT, SamplingParams(max_tokens=10, seed=0))
+    out = gen.submit(PROMPT, SamplingParams(max_tokens=10, seed=0)).result()
     handle.remove()
     loader[0].join(timeout=10)
     versions = out.versions.tolist()
     assert versions[:3] == [0, 0, 0] and versions[-1] == 1
     assert versions == sorted(versions)
     assert gen.version == 1
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_qwen3_moe])
+def test_batched_requests_that_join_and_leave_keep_full_forward_log_probs(build):
+    """Requests of different prompt lengths and output lengths share the running batch (joining
+    while others decode, leaving when done); every sampled token's log-prob equals a full
+    forward of its own sequence within 1e-4, the property the importance ratio depends on."""
+    model = build(seed=1)
+    gen = HFGenerator(model, seed=0)
+    batch_sizes, gate = [], threading.Event()
+
+    def pace(module, args, output):  # hold the second step so the later requests join mid-flight
+        batch_sizes.append(output.logits.shape[0])
+        if len(batch_sizes) == 2:
+            gate.wait(10)
+
+    handle = model.register_forward_hook(pace)
+    futures, requests = [], []
+    for i in range(6):
+        prompt = list(range(1, 2 + 3 * i))  # lengths 1, 4, 7, ...: rows need different padding
+        params = SamplingParams(temperature=0.7 + 0.1 * i, max_tokens=4 + 5 * i, seed=i)
+        requests.append((prompt, params))
+        futures.append(gen.submit(prompt, params))
+        if i == 1:
+            time.sleep(0.2)  # the first two are decoding before the others arrive
+    gate.set()
+    outs = [f.result(timeout=120) for f in futures]
+    handle.remove()
+    gen.close()
+    for (prompt, params), out in zip(requests, outs):
+        n = len(out.token_ids)
+        assert n == params.max_tokens and out.finish_reason == "length"
+        ref = full_forward_logprobs(model, prompt + out.token_ids.tolist(), n, params.temperature)
+        torch.testing.assert_close(torch.from_numpy(out.logprobs), ref, atol=1e-4, rtol=0)
+    assert max(batch_sizes) >= 3  # they were batched, not run one by one
+
+
+def test_a_batched_weight_swap_lands_between_decode_steps_for_every_row(tmp_path):
+    """A swap while 16 requests decode together: each row's versions go 0…0 then 1…1, every row
+    sees the switch at the same engine step, and tokens after it match the new weights."""
+    model = tiny_llama(seed=1)
+    gen = HFGenerator(model, seed=0)
+    path = tmp_path / "w.safetensors"
+    save_file(tiny_llama(seed=2).state_dict(), path)
+    calls = [0]
+
+    def hook(module, args, output):
+        calls[0] += 1
+        if calls[0] == 20:  # mid-way: every request is in the batch by now
+            threading.Thread(target=gen.load_weights, args=(str(path), 1)).start()
+            time.sleep(0.3)
+
+    model.register_forward_hook(hook)
+    futures = [gen.submit(PROMPT + [i], SamplingParams(max_tokens=30, seed=i)) for i in range(16)]
+    outs = [f.result(timeout=120) for f in futures]
+    gen.close()
+    switch = {out.versions.tolist().index(1) for out in outs}
+    for out in outs:
+        v = out.versions.tolist()
+        assert v == sorted(v) and v[0] == 0 and v[-1] == 1
+    assert len({len(PROMPT) + s for s in switch}) <= 2  # rows joined at most a step apart

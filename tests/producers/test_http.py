@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 
@@ -70,7 +72,7 @@ def test_weight_versions_as_spans_or_per_token():
 def test_an_unreachable_server_fails_after_bounded_retries():
     gen = HttpGenerator("http://127.0.0.1:9", retries=1, timeout_s=2)  # port 9: nothing listens
     with pytest.raises(Exception, match="(?i)connect"):
-        gen.generate([1], SamplingParams(max_tokens=1))
+        asyncio.run(gen.generate([1], SamplingParams(max_tokens=1)))
 
 
 def test_announced_version_is_the_fallback_tag():
@@ -93,7 +95,7 @@ def test_a_refused_request_is_an_invalid_generation_not_a_crash():
     try:
         gen = HttpGenerator("http://%s:%d" % server.server_address[:2])
         with pytest.raises(InvalidGeneration, match="400.*vocabulary"):
-            gen.generate([1, 10_000], SamplingParams(max_tokens=2))
+            asyncio.run(gen.generate([1, 10_000], SamplingParams(max_tokens=2)))
     finally:
         server.shutdown()
         server.server_close()

@@ -40,6 +40,8 @@ def test_smollm2_plays_a_math_episode_with_chat_template_stop_token_and_exact_lo
     from learner.logprobs import collate, token_logprobs
     from producers.envs import make_env
     from producers.envs.chat import Chat
+    import asyncio
+
     from producers.episode import TrajectoryIds, run_episode
     from producers.generate.base import SamplingParams
     from producers.generate.hf import HFGenerator
@@ -50,8 +52,8 @@ def test_smollm2_plays_a_math_episode_with_chat_template_stop_token_and_exact_lo
     env = make_env("math", tokenizer=tok)
     task = {"question": "What is 2 + 3?", "answer": 5}
     params = SamplingParams(temperature=0.7, max_tokens=40, stop_token_ids=chat.stop_token_ids(), seed=0)
-    traj = run_episode(env.episode(task), HFGenerator(model, seed=0), params,
-                       TrajectoryIds(id="t", prompt_id="p", env="math", producer_id="test"))
+    traj = asyncio.run(run_episode(env.episode(task), HFGenerator(model, seed=0), params,
+                       TrajectoryIds(id="t", prompt_id="p", env="math", producer_id="test")))
     prompt = tok.decode(traj.tokens[:traj.prompt_len].tolist())
     assert prompt.startswith("<|im_start|>system") and "What is 2 + 3?" in prompt
     assert prompt.endswith("<|im_start|>assistant\n")

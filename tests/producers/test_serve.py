@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import random
 import threading
 
@@ -78,8 +80,8 @@ def test_single_turn_logprobs_match_the_learners_recomputation(backend, served_b
     env = make_env("math", tokenizer=load_tokenizer("tiny-llama-bytes"))
     rng = random.Random(0)
     params = SamplingParams(temperature=T, max_tokens=24)
-    trajs = [run_episode(env.episode(env.sample_task(rng)), gen, params,
-                         TrajectoryIds(id=f"t{i}", prompt_id=f"p{i}", env="math", producer_id="test"))
+    trajs = [asyncio.run(run_episode(env.episode(env.sample_task(rng)), gen, params,
+                         TrajectoryIds(id=f"t{i}", prompt_id=f"p{i}", env="math", producer_id="test")))
              for i in range(3)]
     assert _max_gap(trajs, _learner_model(served_bytes.gen, tmp_path, TINY_LLAMA_BYTES)) < 1e-4
 
@@ -90,8 +92,8 @@ def test_multi_turn_logprobs_with_observations_match_the_learners_recomputation(
     env = make_env("toy-multiturn")
     rng = random.Random(1)
     params = SamplingParams(temperature=T, max_tokens=8)
-    trajs = [run_episode(env.episode(env.sample_task(rng)), gen, params,
-                         TrajectoryIds(id=f"t{i}", prompt_id=f"p{i}", env=env.name, producer_id="test"))
+    trajs = [asyncio.run(run_episode(env.episode(env.sample_task(rng)), gen, params,
+                         TrajectoryIds(id=f"t{i}", prompt_id=f"p{i}", env=env.name, producer_id="test")))
              for i in range(3)]
     assert all(t.num_turns > 1 and (t.action_mask[t.prompt_len:] == 0).any() for t in trajs)
     assert _max_gap(trajs, _learner_model(served_toy.gen, tmp_path, TINY_LLAMA)) < 1e-4
@@ -99,8 +101,8 @@ def test_multi_turn_logprobs_with_observations_match_the_learners_recomputation(
 
 def test_http_results_carry_the_servers_tokens_logprobs_and_versions(served_toy):
     params = SamplingParams(temperature=1.0, max_tokens=10, seed=5)
-    direct = served_toy.gen.generate([1, 4], params)
-    over_http = HttpGenerator(served_toy.url).generate([1, 4], params)
+    direct = asyncio.run(served_toy.gen.generate([1, 4], params))
+    over_http = asyncio.run(HttpGenerator(served_toy.url).generate([1, 4], params))
     np.testing.assert_array_equal(over_http.token_ids, direct.token_ids)
     np.testing.assert_allclose(over_http.logprobs, direct.logprobs, atol=1e-6)
     np.testing.assert_array_equal(over_http.versions, direct.versions)
@@ -113,11 +115,11 @@ def test_the_server_follows_weights_and_reports_versions_per_token(kafka_cfg, tm
     try:
         assert sub.caught_up.wait(30)
         client = HttpGenerator(served.url)
-        assert (client.generate([1, 3], SamplingParams(max_tokens=4)).versions == 0).all()
+        assert (asyncio.run(client.generate([1, 3], SamplingParams(max_tokens=4))).versions == 0).all()
         publish(kafka_cfg, announcement(write_weights(load_model("tiny-llama", seed=1),
                                                       tmp_path / "v1.safetensors"), 1))
         wait_until(lambda: served.gen.version == 1)
-        out = client.generate([1, 3], SamplingParams(max_tokens=4))
+        out = asyncio.run(client.generate([1, 3], SamplingParams(max_tokens=4)))
         assert (out.versions == 1).all() and client.version == 1
     finally:
         sub.close()

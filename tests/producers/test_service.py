@@ -41,7 +41,7 @@ def test_prompts_become_trajectories_and_bad_prompts_go_to_the_dlq(kafka_cfg):
     trajs = read_topic(kafka_cfg, T.TRAJECTORIES, len(good))
     assert sorted(t.prompt_id for t in trajs) == sorted(p.id for p in good)
     for t in trajs:
-        assert isinstance(t, Trajectory) and t.producer_id == "prod-a" and t.id == f"{t.prompt_id}#0"
+        assert isinstance(t, Trajectory) and t.producer_id == "prod-a" and t.id == f"{t.prompt_id}#0.0"
         assert t.reward is not None and (t.versions[t.action_mask == 1] == 0).all()
     dead = read_topic(kafka_cfg, T.DLQ, 3)
     assert all(isinstance(d, DeadLetter) for d in dead)
@@ -122,7 +122,8 @@ class Proc:
 def test_sigterm_finishes_the_episode_in_flight_then_commits_and_exits(kafka_cfg):
     prompts = _prompts("toy-target", [{"target": 1}, {"target": 2}])
     publish_prompts(kafka_cfg, prompts)
-    proc = Proc(kafka_cfg, "term", "--env", "toy-target", "--model", "tiny-llama", "--max-tokens", "1000")
+    proc = Proc(kafka_cfg, "term", "--env", "toy-target", "--model", "tiny-llama", "--max-tokens", "1000",
+                "--concurrency", "1")
     try:
         wait_until(lambda: proc.started() or proc.p.poll() is not None, timeout=120)
         assert proc.stop(signal.SIGTERM) == 0, "".join(proc.lines[-20:])

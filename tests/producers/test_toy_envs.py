@@ -1,5 +1,7 @@
 """The toy environments and `run_episode`, which turns an episode into a Trajectory."""
 
+import asyncio
+
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -29,7 +31,7 @@ class Scripted:
     def version(self):
         return 7
 
-    def generate(self, prompt_ids, params):
+    async def generate(self, prompt_ids, params):
         self.prompts.append(list(prompt_ids))
         span = self.spans.pop(0)
         return Generation(token_ids=np.array(span, np.int32),
@@ -87,7 +89,7 @@ def test_multi_turn_episode_observations_and_rewards(turn_rewards):
 def test_run_episode_builds_the_trajectory_with_observations_and_turn_rewards():
     env = MultiTurnEnv(n_tasks=4, n_turns=2, turn_rewards=True)
     gen = Scripted([[FIRST, FIRST + 4], [FIRST + 1, FIRST + 9, FIRST]])
-    traj = run_episode(env.episode({"targets": [0, 1]}), gen, SamplingParams(max_tokens=3), IDS)
+    traj = asyncio.run(run_episode(env.episode({"targets": [0, 1]}), gen, SamplingParams(max_tokens=3), IDS))
     #            prompt          a_0 (2)            o_0            a_1 (3)
     assert traj.tokens.tolist() == [BOS, FIRST, FIRST, FIRST + 4, SEP, FIRST + 1,
                                     FIRST + 1, FIRST + 9, FIRST]
@@ -106,8 +108,8 @@ def test_run_episode_builds_the_trajectory_with_observations_and_turn_rewards():
 
 def test_single_turn_run_episode_has_no_turn_rewards():
     env = TargetEnv(n_tasks=2)
-    traj = run_episode(env.episode({"target": 1}), Scripted([[FIRST + 1, FIRST]]),
-                       SamplingParams(max_tokens=2), IDS)
+    traj = asyncio.run(run_episode(env.episode({"target": 1}), Scripted([[FIRST + 1, FIRST]]),
+                       SamplingParams(max_tokens=2), IDS))
     assert traj.reward == 0.5 and traj.turn_rewards == [] and traj.num_turns == 1
 
 

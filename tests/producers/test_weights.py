@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import time
 
 import numpy as np
@@ -101,7 +103,7 @@ def test_corrupt_weights_are_rejected_and_generation_continues_on_the_old_versio
         path.write_bytes(path.read_bytes()[:-8] + b"\0" * 8)  # same size, different bytes
         publish(kafka_cfg, w)
         wait_until(lambda: sub.counts["rejected"] == 1)
-        out = gen.generate(PROMPT, PARAMS)
+        out = asyncio.run(gen.generate(PROMPT, PARAMS))
         assert gen.version == 0 and (out.versions == 0).all()
         # the tokens' log-probs are those of the old weights
         ids = torch.tensor([PROMPT + out.token_ids.tolist()])
@@ -146,7 +148,7 @@ def test_weights_published_mid_episode_are_picked_up_between_decode_steps(kafka_
     try:
         assert sub.caught_up.wait(30)
         handle = gen.model.register_forward_pre_hook(pace, with_kwargs=True)
-        traj = run_episode(episode, gen, SamplingParams(temperature=1.0, max_tokens=400, seed=0), ids)
+        traj = asyncio.run(run_episode(episode, gen, SamplingParams(temperature=1.0, max_tokens=400, seed=0), ids))
         handle.remove()
     finally:
         sub.close()
