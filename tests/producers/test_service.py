@@ -3,14 +3,8 @@ processes for SIGTERM, SIGKILL and elastic scaling."""
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
-import uuid
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -20,20 +14,15 @@ from producers.feeder import Backlog
 from producers.metrics import ProducerMetrics
 from producers.service import ProducerConfig, run
 from schemas import topics as T
-from schemas.messages import DeadLetter, Prompt, Trajectory
-from tests.producers.util import publish_prompts, read_topic, wait_until
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _prompts(env: str, tasks: list[dict]) -> list[Prompt]:
-    return [Prompt(id=f"p{i}-{uuid.uuid4().hex[:6]}", env=env, task=t) for i, t in enumerate(tasks)]
+from schemas.messages import DeadLetter, Trajectory
+from sao.broker import free_port
+from tests.producers.util import Proc, make_prompts, publish_prompts, read_topic, wait_until
 
 
 def test_prompts_become_trajectories_and_bad_prompts_go_to_the_dlq(kafka_cfg):
-    good = _prompts("toy-target", [{"target": i % 4} for i in range(5)])
-    bad = [b"\xc1 not msgpack", *_prompts("math", [{"question": "q", "answer": 1}]),
-           *_prompts("toy-target", [{"no-target": 1}])]
+    good = make_prompts("toy-target", [{"target": i % 4} for i in range(5)])
+    bad = [b"\xc1 not msgpack", *make_prompts("math", [{"question": "q", "answer": 1}]),
+           *make_prompts("toy-target", [{"no-target": 1}])]
     publish_prompts(kafka_cfg, good + bad)
     cfg = ProducerConfig(env="toy-target", model="tiny-llama", max_tokens=8, max_prompts=len(good) + len(bad),
                          producer_id="prod-a", kafka=kafka_cfg)
@@ -54,7 +43,7 @@ def test_prompts_become_trajectories_and_bad_prompts_go_to_the_dlq(kafka_cfg):
 
 
 def test_unrewarded_trajectories_go_to_the_pending_topic(kafka_cfg):
-    prompts = _prompts("writing", [{"instruction": "Write a haiku about tea."}] * 2)
+    prompts = make_prompts("writing", [{"instruction": "Write a haiku about tea."}] * 2)
     publish_prompts(kafka_cfg, prompts)
     run(ProducerConfig(env="writing", model="tiny-llama-bytes", max_tokens=6, max_prompts=2, kafka=kafka_cfg))
     pending = read_topic(kafka_cfg, T.PENDING, 2)
@@ -64,7 +53,7 @@ def test_unrewarded_trajectories_go_to_the_pending_topic(kafka_cfg):
 
 
 def test_python_tool_producer_plays_with_the_sandbox(kafka_cfg):
-    publish_prompts(kafka_cfg, _prompts("python-tool", [{"question": "What is 2 + 2?", "answer": 4}]))
+    publish_prompts(kafka_cfg, make_prompts("python-tool", [{"question": "What is 2 + 2?", "answer": 4}]))
     run(ProducerConfig(env="python-tool", model="tiny-llama-bytes", max_tokens=6, max_turns=2, max_prompts=1,
                        kafka=kafka_cfg))
     [traj] = read_topic(kafka_cfg, T.TRAJECTORIES, 1)
@@ -91,36 +80,8 @@ def test_metrics_are_served_and_named():
         metrics.close()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Proc:
-    """A `sao producer` child process whose log lines are collected as they come."""
-
-    def __init__(self, kafka_cfg, name: str, *args: str):
-        env = {**os.environ, "SAO_KAFKA_BOOTSTRAP": kafka_cfg.bootstrap,
-               "SAO_KAFKA_TOPIC_PREFIX": kafka_cfg.topic_prefix, "HF_HUB_OFFLINE": "1",
-               "OMP_NUM_THREADS": "1"}
-        self.p = subprocess.Popen([sys.executable, "-m", "sao", "producer", "--producer-id", name, *args],
-                                  cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        self.lines: list[str] = []
-        threading.Thread(target=lambda: self.lines.extend(self.p.stderr), daemon=True).start()
-
-    def started(self) -> list[str]:
-        if self.p.poll() not in (None, 0, -signal.SIGKILL):
-            raise RuntimeError(f"producer exited {self.p.returncode}:\n{''.join(self.lines[-30:])}")
-        return [line.split("prompt ")[1].split()[0] for line in self.lines if "episode start" in line]
-
-    def stop(self, sig=signal.SIGTERM, timeout=60) -> int:
-        self.p.send_signal(sig)
-        return self.p.wait(timeout)
-
-
 def test_sigterm_finishes_the_episode_in_flight_then_commits_and_exits(kafka_cfg):
-    prompts = _prompts("toy-target", [{"target": 1}, {"target": 2}])
+    prompts = make_prompts("toy-target", [{"target": 1}, {"target": 2}])
     publish_prompts(kafka_cfg, prompts)
     proc = Proc(kafka_cfg, "term", "--env", "toy-target", "--model", "tiny-llama", "--max-tokens", "1000",
                 "--concurrency", "1")
@@ -143,7 +104,7 @@ def test_elastic_scaling_with_a_member_killed_mid_episode_loses_no_prompt(kafka_
 
     def flow():  # a prompt every 0.6 s (about one producer's pace) until the scaling is over
         while not stop.wait(0.6):
-            prompt = _prompts("toy-target", [{"target": len(published) % 4}])[0]
+            prompt = make_prompts("toy-target", [{"target": len(published) % 4}])[0]
             publish_prompts(kafka_cfg, [prompt])
             published.append(prompt.id)
 

@@ -1,9 +1,16 @@
-"""Test helpers: publish weights the way the learner does (safetensors file + announcement)."""
+"""Test helpers: publish weights the way the learner does (safetensors file + announcement),
+prompts, read topics, and run `sao producer` as a child process."""
 
 from __future__ import annotations
 
 import hashlib
+import os
+import signal
+import subprocess
+import sys
+import threading
 import time
+import uuid
 from pathlib import Path
 
 import torch
@@ -11,7 +18,9 @@ from safetensors.torch import save_file
 
 from schemas import topics as T
 from schemas.kafka import KafkaConfig, make_producer, produce
-from schemas.messages import Weights
+from schemas.messages import Prompt, Weights
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def write_weights(model: torch.nn.Module, path: Path) -> Path:
@@ -64,12 +73,44 @@ def read_topic(kafka: KafkaConfig, topic: T.Topic, n: int, timeout: float = 60.0
     return out
 
 
-def publish_prompts(kafka: KafkaConfig, values: list) -> None:
-    """Publish prompts (or raw bytes) to the prompts topic and wait for the acks."""
+def make_prompts(env: str, tasks: list[dict]) -> list[Prompt]:
+    return [Prompt(id=f"p{i}-{uuid.uuid4().hex[:6]}", env=env, task=t) for i, t in enumerate(tasks)]
+
+
+def publish_prompts(kafka: KafkaConfig, values: list) -> list[tuple[int, int]]:
+    """Publish prompts (or raw bytes) to the prompts topic, wait for the acks, and return each
+    one's (partition, offset)."""
     producer = make_producer(kafka)
-    for v in values:
+    where: dict[int, tuple[int, int]] = {}
+    for i, v in enumerate(values):
+        def acked(err, msg, i=i):
+            assert err is None, err
+            where[i] = (msg.partition(), msg.offset())
         if isinstance(v, bytes):
-            produce(producer, kafka.topic(T.PROMPTS), v, key=b"raw")
+            produce(producer, kafka.topic(T.PROMPTS), v, key=b"raw", on_delivery=acked)
         else:
-            produce(producer, kafka.topic(T.PROMPTS), v.encode(), key=v.key)
+            produce(producer, kafka.topic(T.PROMPTS), v.encode(), key=v.key, on_delivery=acked)
     assert producer.flush(30) == 0
+    return [where[i] for i in range(len(values))]
+
+
+class Proc:
+    """A `sao producer` child process whose log lines are collected as they come."""
+
+    def __init__(self, kafka_cfg, name: str, *args: str):
+        env = {**os.environ, "SAO_KAFKA_BOOTSTRAP": kafka_cfg.bootstrap,
+               "SAO_KAFKA_TOPIC_PREFIX": kafka_cfg.topic_prefix, "HF_HUB_OFFLINE": "1",
+               "OMP_NUM_THREADS": "1"}
+        self.p = subprocess.Popen([sys.executable, "-m", "sao", "producer", "--producer-id", name, *args],
+                                  cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        threading.Thread(target=lambda: self.lines.extend(self.p.stderr), daemon=True).start()
+
+    def started(self) -> list[str]:
+        if self.p.poll() not in (None, 0, -signal.SIGKILL):
+            raise RuntimeError(f"producer exited {self.p.returncode}:\n{''.join(self.lines[-30:])}")
+        return [line.split("prompt ")[1].split()[0] for line in self.lines if "episode start" in line]
+
+    def stop(self, sig=signal.SIGTERM, timeout=60) -> int:
+        self.p.send_signal(sig)
+        return self.p.wait(timeout)

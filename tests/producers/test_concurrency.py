@@ -1,0 +1,96 @@
+"""Many episodes in flight per producer, on the real broker: at-least-once with out-of-order
+completion under SIGKILL, and exact per-token versions across a swap with 16 episodes in flight."""
+
+from __future__ import annotations
+
+import math
+import signal
+import uuid
+from collections import defaultdict
+
+import numpy as np
+import torch
+from confluent_kafka import TopicPartition
+
+from producers.models import load_model
+from schemas import topics as T
+from schemas.kafka import make_consumer
+from tests.producers.test_hf_generator import full_forward_logprobs
+from tests.producers.util import (Proc, announcement, make_prompts, publish, publish_prompts, read_topic,
+                                  wait_until, write_weights)
+
+SIM = ("--backend", "sim", "--env", "toy-target", "--model", "tiny-llama", "--no-follow-weights",
+       "--sim.median-tokens", "20", "--sim.sigma", "1.0", "--sim.token-s", "0.02", "--max-tokens", "200")
+
+
+def committed_positions(kafka_cfg) -> dict[int, int]:
+    """The producers group's committed position of each prompts partition (-1001: none yet)."""
+    consumer = make_consumer(kafka_cfg, "sao-producers")  # never subscribes: only reads commits
+    try:
+        parts = [TopicPartition(kafka_cfg.topic(T.PROMPTS), p) for p in range(T.PROMPTS.partitions)]
+        return {tp.partition: tp.offset for tp in consumer.committed(parts, timeout=10)}
+    finally:
+        consumer.close()
+
+
+def test_sigkill_with_64_in_flight_loses_no_prompt_and_commits_only_delivered_prefixes(kafka_cfg):
+    prompts = make_prompts("toy-target", [{"target": i % 4} for i in range(400)])
+    where = dict(zip((p.id for p in prompts), publish_prompts(kafka_cfg, prompts)))
+    a = Proc(kafka_cfg, "a", *SIM, "--concurrency", "64")
+    try:
+        wait_until(lambda: len(a.started()) >= 150, timeout=180)  # many delivered, 64 in flight
+        a.stop(signal.SIGKILL)
+        delivered = {t.prompt_id for t in read_topic(kafka_cfg, T.TRAJECTORIES, 0, timeout=5, until=lambda _: False)}
+        positions = committed_positions(kafka_cfg)
+        by_partition = defaultdict(dict)
+        for pid, (partition, offset) in where.items():
+            by_partition[partition][offset] = pid in delivered
+        ahead = 0
+        for partition, done in by_partition.items():
+            position = positions.get(partition, -1001)
+            assert all(done[o] for o in range(max(position, 0))), f"partition {partition} committed past a gap"
+            ahead += sum(d for o, d in done.items() if o >= max(position, 0))
+        assert ahead > 0  # episodes did finish out of order beyond the committed prefix
+        assert len(a.started()) - len(delivered) > 1  # and several were cut off in flight
+
+        b = Proc(kafka_cfg, "b", *SIM, "--concurrency", "64")
+        try:
+            ids = {p.id for p in prompts}
+            trajs = read_topic(kafka_cfg, T.TRAJECTORIES, 0, timeout=180,
+                               until=lambda ts: ids <= {t.prompt_id for t in ts})
+            assert ids <= {t.prompt_id for t in trajs}, f"lost {len(ids - {t.prompt_id for t in trajs})}"
+            assert b.stop() == 0
+        finally:
+            b.p.kill()
+    finally:
+        a.p.kill()
+
+
+def test_a_swap_with_16_episodes_in_flight_tags_each_token_with_the_version_that_sampled_it(kafka_cfg, tmp_path):
+    """Version 1's lm_head is zero, so a token it sampled has log-prob exactly −log 64 whatever the
+    cached context; a token of version 0 has version 0's full-forward log-prob."""
+    flat = load_model("tiny-llama", seed=0)
+    with torch.no_grad():
+        flat.lm_head.weight.zero_()
+    path = write_weights(flat, tmp_path / f"v1-{uuid.uuid4().hex[:6]}.safetensors")
+    prompts = make_prompts("toy-target", [{"target": i % 4} for i in range(16)])
+    publish_prompts(kafka_cfg, prompts)
+    proc = Proc(kafka_cfg, "swap", "--backend", "hf", "--env", "toy-target", "--model", "tiny-llama",
+                "--seed", "0", "--concurrency", "16", "--max-tokens", "1200")
+    try:
+        wait_until(lambda: len(proc.started()) == 16, timeout=120)
+        publish(kafka_cfg, announcement(path, 1))
+        trajs = read_topic(kafka_cfg, T.TRAJECTORIES, 16, timeout=300)
+        assert proc.stop() == 0
+    finally:
+        proc.p.kill()
+    v0 = load_model("tiny-llama", seed=0)
+    assert len(trajs) == 16
+    for t in trajs:
+        acted = t.action_mask == 1
+        versions, logp = t.versions[acted], t.rollout_logprobs[acted]
+        assert (np.diff(versions) >= 0).all() and versions[0] == 0 and versions[-1] == 1  # swapped mid-flight
+        np.testing.assert_allclose(logp[versions == 1], -math.log(64), atol=1e-5)
+        before = int((versions == 0).sum())
+        ref = full_forward_logprobs(v0, t.tokens[:t.prompt_len + before].tolist(), before, t.temperature)
+        np.testing.assert_allclose(logp[:before], ref.numpy(), atol=1e-4)

@@ -1,0 +1,49 @@
+"""The `sim` backend: exact log-probs of its fixed distribution, lognormal lengths, and per-token
+versions exact across a swap."""
+
+import asyncio
+import math
+
+import numpy as np
+
+from producers.generate.base import SamplingParams
+from producers.generate.sim import SimConfig, SimGenerator, sim_logprobs
+
+
+def test_log_probs_are_those_of_the_fixed_distribution_at_the_temperature():
+    logp = sim_logprobs(8, 0.5, stop_token_ids=(3,))
+    assert logp[3] == -np.inf and math.isclose(np.exp(logp).sum(), 1.0, rel_tol=1e-12)
+    # p_i ∝ (i + 2)^(-1/T): the ratio of tokens 0 and 1 is (3/2)^2 at T = 0.5
+    assert math.isclose(logp[0] - logp[1], 2 * math.log(1.5), rel_tol=1e-12)
+    gen = SimGenerator(SimConfig(median_tokens=50, token_s=0.0, vocab_size=8), seed=0)
+    params = SamplingParams(temperature=0.5, max_tokens=400, stop_token_ids=(3,))
+    out = asyncio.run(gen.generate([1], params))
+    assert 3 not in out.token_ids.tolist()
+    np.testing.assert_allclose(out.logprobs, logp[out.token_ids].astype(np.float32))
+
+
+def test_output_lengths_are_lognormal_with_the_configured_median_and_spread():
+    gen = SimGenerator(SimConfig(median_tokens=40, sigma=1.0, token_s=0.0), seed=1)
+
+    async def many():
+        return await asyncio.gather(*(gen.generate([1], SamplingParams(max_tokens=100_000)) for _ in range(2000)))
+
+    lengths = np.array([len(o.token_ids) for o in asyncio.run(many())])
+    logs = np.log(lengths)
+    assert abs(np.median(lengths) - 40) < 4 and abs(logs.std() - 1.0) < 0.06
+    capped = asyncio.run(gen.generate([1], SamplingParams(max_tokens=3, seed=5)))
+    assert len(capped.token_ids) <= 3
+
+
+def test_a_swap_mid_request_tags_later_tokens_with_the_new_version():
+    gen = SimGenerator(SimConfig(median_tokens=1e9, sigma=0.0, token_s=0.01))  # every request 100 tokens
+
+    async def swap_during():
+        task = asyncio.create_task(gen.generate([1], SamplingParams(max_tokens=100)))
+        await asyncio.sleep(0.5)
+        gen.load_weights("unused", 3)
+        return await task
+
+    versions = asyncio.run(swap_during()).versions.tolist()
+    assert versions == sorted(versions) and versions[0] == 0 and versions[-1] == 3
+    assert 30 <= versions.index(3) <= 70  # the tokens timed after the swap, about half
