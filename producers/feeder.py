@@ -34,7 +34,7 @@ from producers.envs import ENVS, make_env
 from producers.retry import retrying
 from schemas import topics as T
 from schemas.config import ConfigError
-from schemas.kafka import KafkaConfig, ensure_topics, make_consumer, make_producer, produce
+from schemas.kafka import FatalKafkaError, KafkaConfig, ensure_topics, make_consumer, make_producer, produce
 from schemas.messages import Prompt
 from schemas.process import stop_on_signals
 
@@ -141,21 +141,29 @@ def run(cfg: FeedConfig, stop: threading.Event | None = None) -> int:
         tasks = prompts_from_env(cfg.env, cfg.seed)
     source = fan_out(tasks, cfg.group_size)
     producer, backlog = make_producer(cfg.kafka), Backlog(cfg.kafka, cfg.group)
-    topic, sent, exhausted = cfg.kafka.topic(T.PROMPTS), 0, False
+    topic, sent, exhausted, failed = cfg.kafka.topic(T.PROMPTS), 0, False, []
+
+    def delivered() -> None:  # the idempotent producer has retried already: the prompt is not on the topic
+        if failed:
+            raise FatalKafkaError(f"prompt delivery failed: {failed[0]}")
+
     try:
         while not stop.is_set() and not exhausted:
             producer.flush(30)  # the watermarks must include what we sent
+            delivered()
             room = cfg.max_unfinished - backlog.count()
             for _ in range(max(room, 0)):
                 prompt = None if cfg.count and sent >= cfg.count else next(source, None)
                 if prompt is None:
                     exhausted = True
                     break
-                produce(producer, topic, prompt.encode(), key=prompt.key, on_delivery=_check)
+                produce(producer, topic, prompt.encode(), key=prompt.key,
+                        on_delivery=lambda err, _: err is not None and failed.append(err))
                 sent += 1
             if room <= 0:
                 stop.wait(cfg.poll_s)
         producer.flush(30)
+        delivered()
         log.info("published %d prompts (%d bad lines skipped)", sent, len(errors))
         while cfg.wait_done and not stop.is_set() and (left := backlog.count()) > 0:
             log.info("waiting for %d unfinished prompts", left)
@@ -165,7 +173,3 @@ def run(cfg: FeedConfig, stop: threading.Event | None = None) -> int:
         backlog.close()
     return sent
 
-
-def _check(err, msg) -> None:
-    if err is not None:
-        log.error("prompt delivery failed: %s", err)

@@ -67,6 +67,7 @@ def make_consumer(cfg: KafkaConfig, group_id: str, **overrides) -> Consumer:
         "session.timeout.ms": 6000,  # librdkafka's 45 s default makes a dead member linger
         "heartbeat.interval.ms": 500,
         "max.poll.interval.ms": 600_000,  # a training step or an episode may take minutes
+        "topic.metadata.refresh.interval.ms": 10_000,  # a deleted topic surfaces in seconds, not 5 min
         "fetch.max.bytes": T.MAX_MESSAGE_BYTES + (1 << 20),
         "max.partition.fetch.bytes": T.MAX_MESSAGE_BYTES + (1 << 20),
         **overrides,

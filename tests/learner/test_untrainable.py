@@ -107,3 +107,21 @@ def test_every_untrainable_kind_is_dead_lettered_the_learner_survives_sigkill_an
         dl = by_offset[offset]
         assert word in dl.error and dl.source_topic == kafka_cfg.topic(T.TRAJECTORIES), (name, dl.error)
         assert dl.payload == first[offset], name
+
+
+def test_a_topic_deleted_under_a_running_learner_stops_it_with_a_clear_error(kafka_cfg, tmp_path):
+    from confluent_kafka.admin import AdminClient
+    publish(kafka_cfg, [t.encode() for t in rollouts(4, seed=43)])
+    proc = subprocess.Popen(learner_cmd(kafka_cfg, tmp_path, "--batch-trajectories", "4"), cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 120
+    while not metrics(tmp_path) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    topic = kafka_cfg.topic(T.TRAJECTORIES)
+    AdminClient(kafka_cfg.client()).delete_topics([topic])[topic].result(30)
+    try:
+        _, err = proc.communicate(timeout=60)  # never a log-and-spin
+    finally:
+        proc.kill()
+    assert proc.returncode not in (0, None) and f"(topic {topic})" in err and "Unknown topic" in err
