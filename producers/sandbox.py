@@ -1,45 +1,56 @@
 """Run untrusted model-written Python in a separate, locked-down process.
 
 Each `Sandbox.run(code)` starts, through `unshare`, a fresh process tree in new mount, network
-and PID namespaces:
+and PID namespaces, inside a cgroup of its own:
 
-    unshare --mount --net --pid --fork --mount-proc --kill-child   (as root, our process group)
-      sh -c SETUP          hide host directories under empty tmpfs, make / read-only,
-                           private tmpfs working directory, write the code there
-        prlimit ...        CPU seconds, address space, process count, file size, open files, no core
-          setpriv ...      drop to an unprivileged uid (fresh per run), no capabilities, no_new_privs
-            python3 -I -S main.py
+    sh: join the run's cgroup (producers/cgroup.py), then exec
+    unshare --mount --net --pid --fork --mount-proc --kill-child   (as root)
+      sh -c SETUP          build a new root from the allowlist (read-only binds), a private tmpfs
+                           /tmp, the namespace's /proc, four /dev nodes; write the code there
+        chroot ROOT sh     cd /tmp/work, then
+          prlimit ...      CPU seconds, address space, process count, file size, open files, no core
+            setpriv ...    drop to an unprivileged uid (fresh per run), no capabilities, no_new_privs
+              python3 -I -S main.py
 
 What is contained, and how (each property has its own test in tests/producers/test_sandbox.py):
+- reading files: the code's root file system holds only `allow` (by default the interpreter, its
+  standard library and shared libraries: /usr/bin, /usr/lib, /usr/lib64 and the /bin, /lib,
+  /lib64 links, plus /etc/ld.so.cache), read-only, and an empty private /tmp. Everything else
+  (/etc, /root, /home, /var, /srv, /opt, a weights volume, any folder made after this was written)
+  does not exist there. NOT contained: whatever world-readable files lie in the allowed trees,
+  and /proc of its own PID namespace (CPU and memory totals of the host, its own processes only).
+- memory: the run's processes together get at most `max_total_memory_bytes` (cgroup; the OOM
+  killer stops them inside the group and the host keeps its memory), and each process at most
+  `max_memory_bytes` of address space (`MemoryError` rather than the OOM killer for one big
+  allocation). Swap is not counted on hosts without swap accounting.
+- CPU: the run's processes together get `max_cpus` CPUs (cgroup quota); RLIMIT_CPU per process.
 - time: a wall-clock timeout kills the whole process group; RLIMIT_CPU backs it up. When the
   namespace's first process dies, the kernel kills every process left in the PID namespace, so
   children that `setsid()` out of the process group die too.
-- fork bombs: RLIMIT_NPROC for a uid used by no one else (root would ignore the limit, hence the
-  uid switch), plus the PID-namespace kill above.
-- memory: RLIMIT_AS per process (`MemoryError`, not the OOM killer). NOT contained: total memory
-  of all the processes together, bounded only by `max_procs × max_memory_bytes` (no cgroup).
-- disk: RLIMIT_FSIZE per file and a size-capped tmpfs as the only writable place; the rest of
-  the file system is mounted read-only.
-- reading files: /root, /home, /work, /tmp, /var/tmp, /dev/shm, /run, /mnt, /srv, /opt and the
-  producer's own directories are hidden under empty tmpfs, and the code runs as a uid that owns
-  nothing. NOT contained: world-readable system files (/etc/passwd, /usr, /proc/cpuinfo, /sys).
+- fork bombs: the cgroup's pids limit, RLIMIT_NPROC for a uid used by no other run (root would
+  ignore the limit, hence the uid switch), and the PID-namespace kill above.
+- disk: RLIMIT_FSIZE per file and a size-capped tmpfs as the only writable place.
 - network: a new network namespace with only a downed loopback, so no TCP, UDP or abstract-socket
-  reach to the host, the broker or anything else. If the kernel does not allow `unshare`, the
-  sandbox refuses to run at all (`SandboxUnavailable`), never falls back to running unisolated.
+  reach to the host, the broker or anything else.
 - environment: none of the producer's variables; only PATH and HOME=/tmp.
 - output: stdout and stderr go to one file capped by RLIMIT_FSIZE; the result keeps the first
   `max_output_bytes` of it.
+- other runs: runs may go on at once (a producer's episodes in flight); each has its own
+  namespaces, root, /tmp, uid and cgroup, so they cannot see, signal or starve each other.
 
-Requires root (to create the namespaces and mounts) and util-linux (`unshare`, `prlimit`,
-`setpriv`). The interpreter runs with `-I -S -u`: the standard library only, no site-packages,
-unbuffered so stdout and stderr interleave in program order.
+If the kernel does not allow `unshare`, or no cgroup (v2, else v1) with memory, cpu and pids can be
+made, the sandbox refuses to run at all (`SandboxUnavailable`), never falls back to running
+unisolated; `--sandbox.cgroup off` is the explicit opt-out of the cgroup (per-process limits only).
+Requires root (namespaces, mounts, cgroups) and util-linux (`unshare`, `prlimit`, `setpriv`). The
+interpreter runs with `-I -S -u`: the standard library only, no site-packages, unbuffered so
+stdout and stderr interleave in program order.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
-import random
 import shlex
 import signal
 import subprocess
@@ -47,10 +58,13 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
+
+from producers.cgroup import CgroupUnavailable, RunGroup, parents
 
 log = logging.getLogger(__name__)
 
-_REPO = Path(__file__).resolve().parents[1]
+_DEVICES = ("null", "zero", "random", "urandom")
 
 
 class SandboxUnavailable(RuntimeError):
@@ -63,6 +77,13 @@ class SandboxConfig:
     """Wall-clock limit of one run, in seconds."""
     max_memory_bytes: int = 1 << 30
     """Address-space limit (RLIMIT_AS) of each sandboxed process."""
+    max_total_memory_bytes: int = 1 << 30
+    """Memory of all the run's processes together (cgroup)."""
+    max_cpus: float = 1.0
+    """CPUs the run's processes may use together (cgroup quota)."""
+    cgroup: Literal["auto", "v2", "v1", "off"] = "auto"
+    """cgroup version for the run's total memory/CPU bound: auto (v2, else v1), or off to opt out
+    explicitly (then memory is bounded only per process)."""
     max_procs: int = 16
     """Most processes the sandbox uid may run at once (RLIMIT_NPROC)."""
     max_file_bytes: int = 16 << 20
@@ -74,12 +95,12 @@ class SandboxConfig:
     max_open_files: int = 64
     """RLIMIT_NOFILE of each sandboxed process."""
     python: str = "/usr/bin/python3"
-    """Interpreter run inside the sandbox; must be outside the hidden directories."""
+    """Interpreter run inside the sandbox; must lie in the allowlist."""
     uid_base: int = 200_000
     """Each run gets a uid in [uid_base, uid_base + 50000) that owns nothing on the host."""
-    hide: tuple[str, ...] = ("/root", "/home", "/work", "/tmp", "/var/tmp", "/dev/shm", "/run",
-                             "/mnt", "/srv", "/opt")
-    """Host directories replaced by an empty tmpfs inside the sandbox (plus the repository)."""
+    allow: tuple[str, ...] = ("/usr/bin", "/usr/lib", "/usr/lib64", "/bin", "/lib", "/lib64",
+                              "/etc/ld.so.cache")
+    """The only host paths in the code's root (read-only; missing ones are skipped)."""
     unshare: str = "/usr/bin/unshare"
     """The util-linux unshare binary."""
 
@@ -92,6 +113,8 @@ class SandboxResult:
     truncated: bool
     timed_out: bool
     duration_s: float
+    peak_memory_bytes: int | None = None  # of all its processes together (None: no cgroup)
+    oom_kills: int = 0  # processes stopped by the total memory bound
 
     @property
     def ok(self) -> bool:
@@ -107,47 +130,78 @@ def format_result(res: SandboxResult) -> str:
         lines.append(f"[killed: wall-clock timeout after {res.duration_s:.1f}s]")
     elif res.signal:
         lines.append(f"[killed by {res.signal}]")
+    if res.oom_kills:
+        lines.append(f"[memory limit: {res.oom_kills} process(es) killed]")
     elif res.exit_code:
         lines.append(f"[exit code {res.exit_code}]")
     return "\n".join(lines) if lines else "[no output]"
 
 
-def _setup_script(cfg: SandboxConfig, uid: int, hidden: list[str]) -> str:
+def _root_lines(allow: list[str]) -> list[str]:
+    """Shell that builds the code's root at $R from the allowlist: links as links, the rest bound
+    read-only."""
+    q, lines = shlex.quote, []
+    for path in allow:
+        dest = '"$R"' + q(path)  # $R expands, the path stays quoted
+        lines.append(f'mkdir -p "$R"{q(os.path.dirname(path))}')
+        if os.path.islink(path):
+            lines.append(f"ln -s {q(os.readlink(path))} {dest}")
+            continue
+        lines.append(f"mkdir -p {dest}" if os.path.isdir(path) else f"touch {dest}")
+        lines.append(f"mount --bind {q(path)} {dest} && mount -o remount,bind,ro,nosuid,nodev {dest}")
+    return lines
+
+
+def _setup_script(cfg: SandboxConfig, uid: int, allow: list[str]) -> str:
     """The shell run as root inside the new namespaces, ending in the unprivileged interpreter."""
     cpu = max(1, int(cfg.timeout_s) + 1)
     q = shlex.quote
-    lines = ["set -e", "mount -o remount,bind,ro /"]  # private mount namespace: the host is untouched
-    lines += [f"mount -t tmpfs -o size=64k,mode=0755 tmpfs {q(d)}" for d in hidden]
-    lines += [f"mount -t tmpfs -o size={cfg.max_disk_bytes},mode=0755,nosuid,nodev tmpfs /tmp",
-              "mkdir -m 0700 /tmp/work", "cat > /tmp/work/main.py",
-              f"chown -R {uid}:{uid} /tmp/work", "cd /tmp/work",
+    lines = ["set -e", "mount -t tmpfs -o size=64k,mode=0700 tmpfs /mnt",  # private mount namespace
+             "R=/mnt/root", "mkdir $R", "mount -t tmpfs -o size=1m,mode=0755 tmpfs $R"]
+    lines += _root_lines(allow)
+    lines += ["mkdir $R/dev $R/proc $R/tmp"]
+    lines += [f"touch $R/dev/{d} && mount --bind /dev/{d} $R/dev/{d}" for d in _DEVICES]
+    lines += ["mount -t proc -o nosuid,nodev,noexec proc $R/proc",  # this PID namespace's
+              f"mount -t tmpfs -o size={cfg.max_disk_bytes},mode=0755,nosuid,nodev tmpfs $R/tmp",
+              "mkdir -m 0700 $R/tmp/work", "cat > $R/tmp/work/main.py", f"chown -R {uid}:{uid} $R/tmp/work",
+              "mount -o remount,ro $R",
               # no exec: sh stays PID 1 of the namespace, so the code gets ordinary signal semantics
-              f"/usr/bin/prlimit --as={cfg.max_memory_bytes} --cpu={cpu} --nproc={cfg.max_procs}"
-              f" --fsize={cfg.max_file_bytes} --nofile={cfg.max_open_files} --core=0"
-              f" -- /usr/bin/setpriv --reuid={uid} --regid={uid} --clear-groups --no-new-privs"
-              f" --inh-caps=-all --bounding-set=-all -- {q(cfg.python)} -I -S -u main.py"]
+              "/usr/sbin/chroot $R /bin/sh -c " + q(
+                  f"cd /tmp/work && exec /usr/bin/prlimit --as={cfg.max_memory_bytes} --cpu={cpu}"
+                  f" --nproc={cfg.max_procs} --fsize={cfg.max_file_bytes} --nofile={cfg.max_open_files}"
+                  f" --core=0 -- /usr/bin/setpriv --reuid={uid} --regid={uid} --clear-groups"
+                  f" --no-new-privs --inh-caps=-all --bounding-set=-all -- {q(cfg.python)} -I -S -u main.py")]
     return "\n".join(lines)
 
 
 class Sandbox:
-    """Runs code with the limits of `SandboxConfig`; safe to call from any one thread at a time."""
+    """Runs code with the limits of `SandboxConfig`; safe to call from many threads at once."""
 
     def __init__(self, cfg: SandboxConfig | None = None):
         self.cfg = cfg or SandboxConfig()
-        self._hidden = self._hidden_dirs()
+        self._allow = self._allowed()
+        self._uids = itertools.count(os.getpid() * 7919)  # distinct per run of this process
+        self._cgroups = None if self.cfg.cgroup == "off" else self._cgroup_parents()
         self._probe()
 
-    def _hidden_dirs(self) -> list[str]:
-        dirs = {os.path.realpath(d) for d in (*self.cfg.hide, _REPO) if os.path.isdir(d)}
-        dirs = {d for d in dirs if not any(d.startswith(p + "/") for p in dirs)}  # parent hides it
+    def _allowed(self) -> list[str]:
+        allow = [p for p in self.cfg.allow if os.path.lexists(p)]
         python = os.path.realpath(self.cfg.python)
-        for d in dirs:
-            if python.startswith(d.rstrip("/") + "/"):
-                raise SandboxUnavailable(f"--sandbox.python {self.cfg.python} lies in {d}, which the "
-                                         "sandbox hides; point it at an interpreter outside it")
+        real = [os.path.realpath(p) for p in allow]
+        if not any(python == r or python.startswith(r.rstrip("/") + "/") for r in real):
+            raise SandboxUnavailable(f"--sandbox.python {self.cfg.python} lies outside the sandbox's "
+                                     f"allowlist {allow}; point it at an interpreter inside it")
         if not os.access(python, os.X_OK):
             raise SandboxUnavailable(f"--sandbox.python {self.cfg.python} is not an executable")
-        return sorted(dirs)
+        return allow
+
+    def _cgroup_parents(self):
+        try:
+            return parents(self.cfg.cgroup)
+        except (CgroupUnavailable, OSError) as e:
+            raise SandboxUnavailable(f"{e}: the sandbox cannot bound a run's total memory and CPU, so it "
+                                     "refuses to execute code; run as root on a host with cgroups, or "
+                                     "opt out explicitly with --sandbox.cgroup off") from e
 
     def _probe(self) -> None:
         """Refuse loudly, up front, when the isolated chain cannot run: one real run of a no-op."""
@@ -164,12 +218,28 @@ class Sandbox:
 
     def run(self, code: str) -> SandboxResult:
         cfg = self.cfg
-        uid = cfg.uid_base + random.randrange(50_000)
+        uid = cfg.uid_base + next(self._uids) % 50_000
         # setpriv --pdeathsig: unshare dies with the calling thread, so a producer killed mid-run
         # leaves nothing behind (--kill-child passes the SIGKILL on to the namespace).
         cmd = ["/usr/bin/setpriv", "--pdeathsig", "KILL", "--", cfg.unshare, "--mount", "--net",
                "--pid", "--fork", "--mount-proc", "--kill-child",
-               "--", "/bin/sh", "-c", _setup_script(cfg, uid, self._hidden)]
+               "--", "/bin/sh", "-c", _setup_script(cfg, uid, self._allow)]
+        group = None
+        if self._cgroups is not None:
+            group = RunGroup.create(*self._cgroups, memory_bytes=cfg.max_total_memory_bytes,
+                                    cpus=cfg.max_cpus, pids=cfg.max_procs + 8)  # + the setup's own
+            cmd = ["/bin/sh", "-c", group.join_script(), "sh", *cmd]
+        try:
+            res = self._execute(cmd, code)
+            if group is not None:
+                res.peak_memory_bytes, res.oom_kills = group.peak_memory(), group.oom_kills()
+            return res
+        finally:
+            if group is not None:
+                group.close()
+
+    def _execute(self, cmd: list[str], code: str) -> SandboxResult:
+        cfg = self.cfg
         with tempfile.TemporaryFile() as out:
             t0 = time.monotonic()
             proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,

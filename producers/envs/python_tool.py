@@ -8,7 +8,9 @@ observation tokens (action_mask 0). A turn without code, or the last allowed tur
 operands, where running code pays.
 
 The sandbox (producers/sandbox.py) contains whatever the code does; the episode only ever sees
-its text result, so an attack costs at most one timeout and the producer goes on.
+its text result, so an attack costs at most one timeout and the producer goes on. A producer's
+episodes in flight share one `Sandbox`, whose runs are separate (own root, /tmp, uid, cgroup), so
+episodes cannot see or disturb each other.
 """
 
 from __future__ import annotations

@@ -68,3 +68,30 @@ def test_hostile_code_is_reported_and_the_next_prompt_runs(env, code, reported):
     assert ep.step(act("Answer: 7")).reward == 1.0
     nxt = env.episode(env.sample_task(random.Random(0)))  # the next prompt runs normally
     assert "42" in tok.decode(nxt.step(act("```python\nprint(6 * 7)\n```")).observation)
+
+
+def test_eight_episodes_at_once_are_isolated_from_each_other(env):
+    """The producer's concurrency: 8 episodes' tool calls run at the same time (each in its own
+    worker thread, as the service runs them); none sees another's files, processes or uid."""
+    import asyncio
+
+    code = ("import glob, os, time\n"
+            "open('mine', 'w').write('secret-{i}')\n"
+            "time.sleep(1.0)  # all eight are running now\n"
+            "found = sorted(open(f).read() for f in glob.glob('/tmp/**', recursive=True)\n"
+            "               if os.path.isfile(f) and not f.endswith('.py'))\n"
+            "pids = [p for p in os.listdir('/proc') if p.isdigit()]\n"
+            "print('found', found, 'pids', len(pids), 'uid', os.getuid())\n")
+    episodes = [env.episode({"question": "q", "answer": i}) for i in range(8)]
+
+    async def all_at_once():
+        return await asyncio.gather(*(asyncio.to_thread(ep.step, act(f"```python\n{code.format(i=i)}```"))
+                                      for i, ep in enumerate(episodes)))
+
+    seen = [tok.decode(step.observation) for step in asyncio.run(all_at_once())]
+    uids = set()
+    for i, obs in enumerate(seen):
+        assert f"found ['secret-{i}'] pids" in obs, obs  # its own file only
+        assert int(obs.split("pids ")[1].split()[0]) <= 3  # its namespace: sh, python (and a child)
+        uids.add(obs.split("uid ")[1].split()[0])
+    assert len(uids) == 8

@@ -8,10 +8,12 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 
+from producers.cgroup import parents
 from producers.sandbox import Sandbox, SandboxConfig, SandboxUnavailable, format_result
 
 REPO = Path(__file__).resolve().parents[2]
@@ -89,23 +91,72 @@ def test_writing_a_1_gb_file_stops_at_the_file_size_limit(sandbox):
     assert int(res.output.split("size")[1]) <= sandbox.cfg.max_file_bytes
 
 
-def test_files_outside_its_directory_are_hidden_or_unreadable(sandbox, tmp_path):
+def test_only_the_allowlist_exists_outside_its_directory(sandbox, tmp_path):
     secret = tmp_path / "secret.txt"
     secret.write_text("host secret")
-    targets = [str(secret), str(REPO / "pyproject.toml"), "/root", "/etc/shadow"]
+    targets = [str(secret), str(REPO / "pyproject.toml"), "/root", "/etc/shadow", "/etc/passwd", "/var"]
     code = ("import os\n"
             f"for p in {targets!r}:\n"
             "    try:\n"
             "        print(p, 'READ', os.listdir(p) if os.path.isdir(p) else open(p).read(50))\n"
             "    except OSError as e:\n"
-            "        print(p, 'DENIED', type(e).__name__)\n")
+            "        print(p, 'DENIED', type(e).__name__)\n"
+            "print('root', sorted(os.listdir('/')))\n")
     res = sandbox.run(code)
     lines = dict(line.split(" ", 1) for line in res.output.splitlines())
-    assert lines[str(secret)].startswith("DENIED")  # /tmp is a private tmpfs
-    assert lines[str(REPO / "pyproject.toml")].startswith("DENIED")  # the repository is hidden
-    assert lines["/root"] == "READ []"  # an empty tmpfs
-    assert lines["/etc/shadow"].startswith("DENIED")  # unprivileged uid
+    for target in targets:
+        assert lines[target] == "DENIED FileNotFoundError", target
+    assert lines["root"] == str(sorted(["bin", "dev", "etc", "lib", "lib64", "proc", "tmp", "usr"]))
     assert "host secret" not in res.output
+
+
+def test_a_file_planted_where_no_list_ever_looked_is_invisible(sandbox):
+    """A new top-level folder (a weights volume) and a token under /var/lib, both world-readable:
+    a denylist would have had to name them; the allowlist root simply lacks them."""
+    folder = Path(f"/sao-planted-{uuid.uuid4().hex[:8]}")
+    token = Path(f"/var/lib/sao-token-{uuid.uuid4().hex[:8]}")
+    try:
+        folder.mkdir(mode=0o755)
+        (folder / "weights.safetensors").write_text("weights bytes")
+        token.write_text("token bytes")
+        for p in (folder / "weights.safetensors", token):
+            p.chmod(0o644)
+        code = "\n".join(f"try:\n    print(open({str(p)!r}).read())\nexcept OSError as e:\n    print(type(e).__name__)"
+                         for p in (folder / "weights.safetensors", token))
+        res = sandbox.run(code)
+        assert res.output.split() == ["FileNotFoundError", "FileNotFoundError"]
+    finally:
+        token.unlink(missing_ok=True)
+        (folder / "weights.safetensors").unlink(missing_ok=True)
+        folder.rmdir()
+
+
+def test_16_processes_of_512_mib_under_a_1_gib_total_are_stopped_inside_the_cgroup():
+    box = Sandbox(SandboxConfig(timeout_s=30, max_procs=32, max_total_memory_bytes=1 << 30))
+    code = ("import os, time\n"
+            "kids = []\n"
+            "for _ in range(16):\n"
+            "    pid = os.fork()\n"
+            "    if pid == 0:\n"
+            "        x = b'1' * (512 << 20)  # written, so every page is charged\n"
+            "        time.sleep(3)\n"
+            "        os._exit(0)\n"
+            "    kids.append(pid)\n"
+            "killed = sum(os.WIFSIGNALED(os.waitpid(p, 0)[1]) for p in kids)\n"
+            "print('killed', killed)\n")
+    res = box.run(code)
+    assert res.ok, format_result(res)
+    assert int(res.output.split()[1]) >= 15  # two of them plus Python do not fit in 1 GiB
+    assert res.oom_kills >= 15 and "memory limit" in format_result(res)
+    assert res.peak_memory_bytes <= 1 << 30  # the host never gave the run more than its bound
+
+
+def test_refuses_without_a_cgroup_unless_opted_out():
+    offered, _ = parents()
+    with pytest.raises(SandboxUnavailable, match="--sandbox.cgroup off"):
+        Sandbox(SandboxConfig(cgroup={"v1": "v2", "v2": "v1"}[offered]))
+    res = Sandbox(SandboxConfig(cgroup="off")).run("print('ran')")
+    assert res.output == "ran\n" and res.peak_memory_bytes is None
 
 
 def test_writing_outside_its_directory_fails(sandbox):
@@ -157,7 +208,7 @@ def test_refuses_loudly_when_namespaces_cannot_be_created():
         Sandbox(SandboxConfig(unshare="/nonexistent/unshare"))
 
 
-def test_refuses_an_interpreter_inside_a_hidden_directory():
+def test_refuses_an_interpreter_outside_the_allowlist():
     with pytest.raises(SandboxUnavailable, match="sandbox.python"):
         Sandbox(SandboxConfig(python=str(REPO / ".venv" / "bin" / "python")))
 
