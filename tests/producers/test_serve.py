@@ -165,3 +165,28 @@ def test_version_spans_cover_every_token_once(versions):
     spans = version_spans(np.array(versions, dtype=np.int32))
     flat = [s["version"] for s in spans for _ in range(s["start"], s["end"])]
     assert flat == versions
+
+
+def test_concurrent_requests_share_decode_steps_and_keep_exact_log_probs(tmp_path):
+    """Eight http clients at once (as a producer's episodes in flight): the server's hf engine
+    decodes them as one batch, and each answer's log-probs still match the learner's recomputation."""
+    served = Served("tiny-llama")
+    rows = []
+    handle = served.gen.model.register_forward_hook(lambda m, a, out: rows.append(out.logits.shape[0]))
+    try:
+        client = HttpGenerator(served.url)
+        env = make_env("toy-target")
+        rng = random.Random(3)
+        params = SamplingParams(temperature=T, max_tokens=40)
+
+        async def eight():
+            return await asyncio.gather(*(run_episode(
+                env.episode(env.sample_task(rng)), client, params,
+                TrajectoryIds(id=f"t{i}", prompt_id=f"p{i}", env=env.name, producer_id="test")) for i in range(8)))
+
+        trajs = asyncio.run(eight())
+    finally:
+        handle.remove()
+        served.close()
+    assert max(rows) >= 4  # batched, not one request per forward
+    assert _max_gap(trajs, _learner_model(served.gen, tmp_path, TINY_LLAMA)) < 1e-4
