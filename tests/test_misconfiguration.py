@@ -1,0 +1,37 @@
+"""A misconfigured service fails at start, within 30 s, naming the setting to change; never per message."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.learner.service_util import ROOT
+
+KAFKA = ("--kafka.bootstrap", "127.0.0.1:1")  # nothing listens: each must fail before it needs Kafka
+
+
+@pytest.mark.parametrize("argv,named", [
+    (["learner", "--batch-trajectories", "0"], "--batch-trajectories"),
+    (["learner", "--batch-tokens", "0"], "--batch-tokens"),
+    (["learner", "--publish-every", "0"], "--publish-every"),
+    (["learner", "--checkpoint-every", "0"], "--checkpoint-every"),
+    (["learner", "--max-staleness", "-2"], "--max-staleness"),
+    (["learner", "--model.name", "no-such-model"], "--model.name"),
+    (["learner", "--max-seq-len", "100000"], "--max-seq-len"),  # beyond tiny-llama's 256 positions
+    (["learner", "--update.lr-policy", "0"], "--lr-policy"),
+    (["producer", "--model", "no-such-model"], "--model"),
+    (["producer", "--env", "math", "--model", "tiny-llama"], "tokenizer"),
+    (["producer", "--env", "no-such-env"], "--env"),
+    (["serve", "--model", "no-such-model"], "--model"),
+    (["feed", "--group-size", "0"], "--group-size"),
+    (["feed", "--env", "no-such-env"], "--env"),
+])
+def test_a_misconfiguration_exits_non_zero_naming_the_setting(argv, named, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "sao", *argv, *KAFKA], capture_output=True, text=True,
+                         timeout=30, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode != 0
+    assert named in out.stderr, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr, out.stderr[-2000:]
