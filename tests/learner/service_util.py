@@ -102,3 +102,9 @@ def final_policy(run_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(ckpts[-1], weights_only=True)["policy"]
 
 
+
+
+def trained_ledger(run_dir: Path) -> dict[str, int]:
+    """trajectory id -> step index, from the newest checkpoint's ledger."""
+    ckpt = sorted((run_dir / "learner" / "checkpoints").glob("*.pt"))[-1]
+    return dict(torch.load(ckpt, weights_only=True)["source"]["trained"])

@@ -13,11 +13,11 @@ import time
 
 import msgpack
 import numpy as np
-import torch
 
 from schemas import topics as T
 from schemas.messages import Prompt
-from tests.learner.service_util import ROOT, learner_cmd, metrics, publish, rollouts, run_learner
+from tests.learner.service_util import (ROOT, learner_cmd, metrics, publish, rollouts, run_learner,
+                                        trained_ledger)
 from tests.learner.test_checks import read_dead_letters
 
 
@@ -96,8 +96,7 @@ def test_every_untrainable_kind_is_dead_lettered_the_learner_survives_sigkill_an
     publish(kafka_cfg, [t.encode() for t in valid[16:]])
     run_learner(learner_cmd(kafka_cfg, tmp_path, *flags))  # to the end, no crash loop
 
-    ckpt = sorted((tmp_path / "learner" / "checkpoints").glob("*.pt"))[-1]
-    trained = dict(torch.load(ckpt, weights_only=True)["source"]["trained"])
+    trained = trained_ledger(tmp_path)
     assert set(trained) == {t.id for t in valid}  # every valid one, and nothing else
     assert sorted(collections.Counter(trained.values()).items()) == [(s, 4) for s in range(8)]
     letters = read_dead_letters(kafka_cfg, 2 * len(bad))  # a replay after SIGKILL may letter twice
