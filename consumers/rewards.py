@@ -1,0 +1,75 @@
+"""Publish live rewards: `publish(...)` for Python callers, `sao reward publish` for humans and scripts.
+
+A reward is keyed by its trajectory id, so it lands on the partition of `sao.rewards` that matches
+the trajectory's partition of `sao.trajectories.pending` (both topics have the same partition
+count and every client here uses the same partitioner), which is what the joiner's co-partitioned
+tables need.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from confluent_kafka import Producer
+
+from schemas import topics as T
+from schemas.kafka import KafkaConfig, make_producer, produce
+from schemas.messages import Reward
+
+log = logging.getLogger(__name__)
+
+
+class RewardPublisher:
+    """A producer of rewards; `send` returns at once, `flush` waits for the broker's acks."""
+
+    def __init__(self, kafka: KafkaConfig, producer: Producer | None = None):
+        self.topic = kafka.topic(T.REWARDS)
+        self.producer = producer or make_producer(kafka)
+        self.failed: list[str] = []
+
+    def send(self, reward: Reward, on_delivery=None) -> None:
+        produce(self.producer, self.topic, reward.encode(), key=reward.key, on_delivery=on_delivery or self._check)
+
+    def flush(self, timeout: float = 30.0) -> None:
+        if self.producer.flush(timeout):
+            raise TimeoutError(f"rewards not acknowledged by the broker within {timeout}s")
+        if self.failed:
+            raise RuntimeError(f"rewards not delivered: {self.failed}")
+
+    def _check(self, err, msg) -> None:
+        if err is not None:
+            self.failed.append(f"{msg.key()!r}: {err}")
+
+
+def publish(trajectory_id: str, reward: float, *, source: str = "python", criterion: str = "",
+            token_index: int | None = None, kafka: KafkaConfig | None = None) -> Reward:
+    """Publish one reward and wait until the broker has it; returns the message sent."""
+    msg = Reward(trajectory_id=trajectory_id, reward=reward, token_index=token_index, source=source,
+                 criterion=criterion)
+    Reward.decode(msg.encode())  # the codec's checks (finite reward, bounded strings) before sending
+    publisher = RewardPublisher(kafka or KafkaConfig())
+    publisher.send(msg)
+    publisher.flush()
+    return msg
+
+
+@dataclass(kw_only=True)
+class PublishConfig:
+    trajectory: str
+    """Id of the trajectory the reward is for (the receipt a producer or `sao serve` handed out)."""
+    reward: float
+    """The reward."""
+    token_index: int | None = None
+    """Token index of a per-turn reward (an action token); unset for the outcome reward."""
+    source: str = "cli"
+    """Who gives the reward."""
+    criterion: str = ""
+    """What the reward measures, free text."""
+    kafka: KafkaConfig = field(default_factory=KafkaConfig)
+
+
+def run(cfg: PublishConfig) -> None:
+    msg = publish(cfg.trajectory, cfg.reward, source=cfg.source, criterion=cfg.criterion,
+                  token_index=cfg.token_index, kafka=cfg.kafka)
+    print(f"published reward {msg.reward} for {msg.trajectory_id} to {cfg.kafka.topic(T.REWARDS)}")
