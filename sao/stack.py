@@ -34,6 +34,8 @@ class StackConfig:
     """Model of the producers and the learner (tiny-llama runs anywhere in seconds)."""
     batch_trajectories: int = 16
     """Trajectories per learner step."""
+    group_size: int = 1
+    """Rollouts per prompt the feeder asks for (G >= 2 with `--learner-flags "--update.algorithm grpo"`)."""
     max_tokens: int = 8
     """Tokens per model turn."""
     run_dir: Path = Path("runs/stack")
@@ -59,7 +61,8 @@ def commands(cfg: StackConfig) -> dict[str, list[str]]:
         cmds[f"producer-{i}"] = _sao("producer", "--env", cfg.env, "--model", cfg.model, "--seed", "0",
                                      "--producer-id", f"producer-{i}", "--max-tokens", str(cfg.max_tokens),
                                      "--log-every-s", "10", *kafka)
-    cmds["feeder"] = _sao("feed", "--env", cfg.env, "--max-unfinished", str(4 * cfg.batch_trajectories), *kafka)
+    cmds["feeder"] = _sao("feed", "--env", cfg.env, "--max-unfinished", str(4 * cfg.batch_trajectories),
+                          "--group-size", str(cfg.group_size), *kafka)
     return cmds
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import subprocess
@@ -63,3 +64,16 @@ def test_sao_variables_configure_a_service_under_the_flags():
         from_env(LearnerConfig, {"SAO_UPDATE_ALGORITHM": "ppo"})
     with pytest.raises(ConfigError, match="SAO_MAX_STEPS"):
         from_env(LearnerConfig, {"SAO_MAX_STEPS": "many"})
+
+
+def test_group_baselines_through_the_stack_train_whole_groups_with_a_group_advantage(kafka_cfg, tmp_path):
+    out = _sao("stack", "--steps", "2", "--producers", "1", "--batch-trajectories", "8", "--group-size", "8",
+               "--learner-flags", "--update.algorithm grpo --update.lr-policy 3e-3", "--run-dir", str(tmp_path),
+               kafka_cfg=kafka_cfg)
+    assert out.returncode == 0, out.stderr[-3000:]
+    steps = [json.loads(x) for x in (tmp_path / "learner" / "metrics.jsonl").read_text().splitlines()]
+    assert len(steps) == 2
+    for s in steps:
+        groups = collections.Counter(i.rpartition(".")[0] for i in s["trajectory_ids"])  # <prompt>#<attempt>
+        assert set(groups.values()) == {8}, groups  # whole groups only
+        assert s["adv/abs_mean"] > 0  # rewards differ within a group: the group advantage is not zero
