@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.learner_overhead import synthetic  # noqa: E402
 from bench.weight_publish import SMOLLM2_135M  # noqa: E402
 from learner.parallel import ParallelConfig, init_distributed, parallelize  # noqa: E402
-from learner.service import ModelConfig, build_policy  # noqa: E402
+from learner.models import ModelConfig, build_policy  # noqa: E402
 from learner.update import SAOUpdate, UpdateConfig  # noqa: E402
 from learner.value import ValueModel  # noqa: E402
 

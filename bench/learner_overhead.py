@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from learner.parallel import ParallelConfig, init_distributed, parallelize  # noqa: E402
-from learner.service import ModelConfig, build_policy  # noqa: E402
+from learner.models import ModelConfig, build_policy  # noqa: E402
 from learner.update import SAOUpdate, UpdateConfig  # noqa: E402
 from learner.value import ValueModel  # noqa: E402
 from sao.broker import BrokerConfig, EmbeddedBroker  # noqa: E402

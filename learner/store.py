@@ -1,22 +1,28 @@
 """Durable files of the learner: the weight store producers load from, and training checkpoints.
 
-Both write atomically (temporary file, fsync, rename, fsync of the folder), so a reader or a
-restart sees a whole file or none, and both keep only the last K. Checkpoints are written off the
-training thread.
+Both write atomically (temporary file or folder, fsync, rename, fsync of the parent), so a reader
+or a restart sees a whole one or none, and both keep only the last K. Weights stream into their
+file a bucket at a time; checkpoints are sharded per rank and written off the training thread.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import math
 import os
 import re
+import shutil
+import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import BinaryIO
 
+import msgpack
 import torch
-from safetensors.torch import save_file
-from torch.utils._pytree import tree_map
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 from schemas.messages import Weights
 
@@ -30,17 +36,38 @@ def atomic_file(path: Path, write: Callable[[Path], None]) -> tuple[str, int]:
         os.fsync(f.fileno())
     size = tmp.stat().st_size
     os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # the rename itself must survive a crash
-    finally:
-        os.close(dir_fd)
+    _fsync_dir(path.parent)  # the rename itself must survive a crash
     return digest, size
 
 
 def _numbered(root: Path, pattern: str) -> list[tuple[int, Path]]:
     rx = re.compile(pattern)
     return sorted((int(m.group(1)), p) for p in root.iterdir() if (m := rx.fullmatch(p.name)))
+
+
+# safetensors' dtype names
+_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+           torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def write_safetensors(f: BinaryIO, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+                      buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> None:
+    """Stream tensors into the safetensors layout: the header from `specs` (name → dtype, shape)
+    first, then each bucket's bytes as it arrives, in `specs` order; one bucket in memory at a time."""
+    header, offset = {}, 0
+    for name, (dtype, shape) in specs.items():
+        size = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    f.write(struct.pack("<Q", len(raw)) + raw)
+    names = iter(specs)
+    for bucket in buckets:
+        for name, t in bucket:
+            if name != next(names):
+                raise ValueError(f"tensor {name!r} arrived out of the header's order")
+            f.write(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
 
 
 class WeightStore:
@@ -50,40 +77,54 @@ class WeightStore:
         self.root, self.keep = Path(root), keep
         self.root.mkdir(parents=True, exist_ok=True)
 
-    def save(self, state: dict[str, torch.Tensor], version: int, step: int) -> Weights:
-        """Write version `version` and return its announcement (uri, sha256, size, dtype)."""
-        seen, tensors = set(), {}
-        for name, t in state.items():
-            t = t.detach().contiguous()
-            if t.data_ptr() in seen:  # tied weights share storage; safetensors wants each once
-                t = t.clone()
-            seen.add(t.data_ptr())
-            tensors[name] = t
+    def save(self, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+             buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int, step: int) -> Weights:
+        """Write version `version` from streamed buckets (`write_safetensors`) and return its
+        announcement (uri, sha256, size, dtype)."""
         path = self.root / f"v{version:08d}.safetensors"
-        sha256, num_bytes = atomic_file(path, lambda tmp: save_file(tensors, tmp))
+
+        def write(tmp: Path) -> None:
+            with open(tmp, "wb") as f:
+                write_safetensors(f, specs, buckets)
+
+        sha256, num_bytes = atomic_file(path, write)
         self._prune()
-        dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()})
+        dtypes = sorted({str(dtype).removeprefix("torch.") for dtype, _ in specs.values()})
         return Weights(version=version, step=step, uri=path.resolve().as_uri(),
-                       sha256=sha256, num_bytes=num_bytes,
-                       dtype=",".join(dtypes))
+                       sha256=sha256, num_bytes=num_bytes, dtype=",".join(dtypes))
 
     def _prune(self) -> None:
         for _, path in _numbered(self.root, r"v(\d+)\.safetensors")[:-self.keep]:
             path.unlink(missing_ok=True)
 
 
-class Checkpointer:
-    """`step{N:08d}.pt` files holding everything a restart needs; it owns the save interval.
+def split_tensors(state: dict) -> tuple[dict, dict]:
+    """(everything that holds a tensor, the plain rest) of a nested state dict, split at the top."""
+    def holds_tensor(x) -> bool:
+        return isinstance(x, torch.Tensor) or (isinstance(x, dict) and any(map(holds_tensor, x.values())))
+    tensors = {k: v for k, v in state.items() if holds_tensor(v)}
+    return tensors, {k: v for k, v in state.items() if k not in tensors}
 
-    `save` snapshots the state (a copy of every tensor, so training may go on mutating the
-    originals) and writes it in a background thread; `then` runs once the file is durable, which
-    is where the caller commits Kafka offsets. One write is in flight at a time; `wait` joins it.
-    Loaded with `weights_only=True`: tensors and plain containers only, nothing else unpickled.
+
+class Checkpointer:
+    """`step{N:08d}/` folders: every rank's shards of the models and optimizers, written by
+    `torch.distributed.checkpoint` (nothing is gathered; a restart may use another number of
+    ranks), and rank 0's `learner.msgpack` of plain data (offsets, ledger, counters).
+
+    `save` stages a copy of the tensors (so training may go on mutating the originals) and writes
+    in the background over its own gloo group (the training collectives never interleave with it).
+    The folder is written as `.step…tmp` and renamed once the shards, the metadata and the data
+    file are durable; only then does `then` run on rank 0, which is where the caller commits Kafka
+    offsets. One write is in flight at a time; `wait` joins it. Nothing is unpickled on load
+    except DCP's own metadata.
     """
 
     def __init__(self, root: Path, every: int = 1, keep: int = 2):
         self.root, self.every, self.keep = Path(root), every, keep
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.rank = dist.get_rank()
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+        self.group = dist.new_group(backend="gloo")  # collective on every rank
         self._writer: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -91,17 +132,27 @@ class Checkpointer:
         return self.every > 0 and step % self.every == 0
 
     def save(self, step: int, state: dict, then: Callable[[], None] = lambda: None) -> None:
-        snapshot = tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, state)
+        """A collective: every rank calls it with its state; rank 0's plain data is kept."""
         self.wait()
-        self._writer = threading.Thread(target=self._write, args=(step, snapshot, then),
+        tensors, data = split_tensors(state)
+        tmp = self.root / f".step{step:08d}.tmp"
+        future = dcp.async_save(tensors, checkpoint_id=tmp, process_group=self.group)
+        self._writer = threading.Thread(target=self._finish, args=(future, step, tmp, data, then),
                                         name="checkpoint-writer")
         self._writer.start()
 
-    def _write(self, step: int, state: dict, then: Callable[[], None]) -> None:
+    def _finish(self, future, step: int, tmp: Path, data: dict, then: Callable[[], None]) -> None:
         try:
-            atomic_file(self.root / f"step{step:08d}.pt", lambda tmp: torch.save(state, tmp))
-            for _, old in _numbered(self.root, r"step(\d+)\.pt")[:-self.keep]:
-                old.unlink(missing_ok=True)
+            future.result()  # every rank's shards and rank 0's metadata are written and fsynced
+            if self.rank != 0:
+                return
+            atomic_file(tmp / "learner.msgpack", lambda f: f.write_bytes(msgpack.packb(data, use_bin_type=True)))
+            final = self.root / f"step{step:08d}"
+            shutil.rmtree(final, ignore_errors=True)  # a replay after a crash wrote it already
+            os.replace(tmp, final)
+            _fsync_dir(self.root)
+            for _, old in _numbered(self.root, r"step(\d+)")[:-self.keep]:
+                shutil.rmtree(old, ignore_errors=True)
             then()
         except BaseException as e:  # re-raised in the training thread by the next wait()
             self._error = e
@@ -115,6 +166,28 @@ class Checkpointer:
             error, self._error = self._error, None
             raise RuntimeError("checkpoint write failed") from error
 
-    def latest(self) -> dict | None:
-        found = _numbered(self.root, r"step(\d+)\.pt")
-        return torch.load(found[-1][1], weights_only=True) if found else None
+    def latest(self) -> Path | None:
+        found = _numbered(self.root, r"step(\d+)") if self.root.is_dir() else []
+        return found[-1][1] if found else None
+
+    @staticmethod
+    def load(path: Path, template: dict) -> dict:
+        """The checkpoint at `path` read into `template` (its tensors keep their sharding: DCP
+        reshards to this world size), plus its plain data. A collective."""
+        tensors, _ = split_tensors(template)
+        dcp.load(tensors, checkpoint_id=path)
+        return tensors | msgpack.unpackb((path / "learner.msgpack").read_bytes(), raw=False,
+                                         strict_map_key=False)
+
+    @staticmethod
+    def saved_keys(path: Path) -> set[str]:
+        """Top-level keys of the tensors saved at `path` (which optimizers it holds)."""
+        return {k.split(".")[0] for k in dcp.FileSystemReader(path).read_metadata().state_dict_metadata}
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

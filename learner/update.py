@@ -185,14 +185,14 @@ def all_finite(*xs: Tensor) -> bool:
     return bad.item() == 0
 
 
-def guarded_step(loss: Tensor, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 max_grad_norm: float) -> tuple[bool, float]:
-    """Backward, clip, and step only if the loss and the total gradient norm are finite.
+def guarded_step(model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float,
+                 loss: Tensor) -> tuple[bool, float]:
+    """Clip the accumulated gradients and step only if `loss` and the total gradient norm are
+    finite on every rank; then drop the gradients either way.
 
-    Returns (stepped, grad_norm before clipping). Backward always runs, so every rank takes part
-    in the same collectives; `clip_grad_norm_` of FSDP2 DTensors returns the global norm.
+    Returns (stepped, grad_norm before clipping). Call after every rank ran all its backwards;
+    `clip_grad_norm_` of FSDP2 DTensors returns the global norm.
     """
-    loss.backward()
     params = [p for p in model.parameters() if p.requires_grad]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
     if isinstance(grad_norm, DTensor):
@@ -204,134 +204,216 @@ def guarded_step(loss: Tensor, model: nn.Module, optimizer: torch.optim.Optimize
     return stepped, grad_norm.item()
 
 
-class SAOUpdate:
-    """The learner's optimizer state and `step(trajectories) -> metrics` (SAO.md §3–§5, §7).
+def step_is_finite(trajs: Sequence[Trajectory], returns: np.ndarray) -> bool:
+    """Every trajectory's total reward and every action token's rollout log-prob is finite. Every
+    rank holds the whole step, so every rank reaches the same answer without a collective."""
+    return bool(np.isfinite(returns).all()) and all(
+        np.isfinite(t.rollout_logprobs[t.action_mask.astype(bool)]).all() for t in trajs)
 
-    Owns the two optimizers, the step counter and the running-mean history (its `state_dict`);
-    the caller owns and checkpoints the models. `critic` must be given for the critic algorithms
-    and None for the baselines; its attention is frozen here unless `sao_full_critic`.
+
+@dataclass(kw_only=True)
+class MicroBatch:
+    """A collated micro-batch and its advantage and critic targets (SAO.md §4), each (b, T)."""
+
+    batch: Batch
+    rows: list[int]
+    """Indices of its trajectories in the step."""
+    adv: Tensor | None = None
+    returns: Tensor | None = None
+    values: Tensor | None = None
+
+
+class SAOUpdate:
+    """The learner's models, optimizers and `step(trajectories) -> metrics` (SAO.md §3–§5, §7).
+
+    Its `state_dict` is the whole training state (sharded models and optimizers, step counter,
+    running-mean history), the one format the service checkpoints. `critic` must be given for the
+    critic algorithms and None for the baselines; its attention is frozen here unless
+    `sao_full_critic`. Under torch.distributed each rank trains its share of every step.
     """
 
     def __init__(self, policy: nn.Module, critic: ValueModel | None, cfg: UpdateConfig):
-        if cfg.uses_critic != (critic is not None):
-            need = "needs a" if cfg.uses_critic else "takes no"
+        self.settings = s = cfg.settings
+        if s.uses_critic != (critic is not None):
+            need = "needs a" if s.uses_critic else "takes no"
             raise ValueError(f"algorithm {cfg.algorithm!r} {need} critic")
         self.policy, self.critic, self.cfg = policy, critic, cfg
         self.device = next(policy.parameters()).device
-        if critic is not None and cfg.algorithm != "sao_full_critic":
+        if critic is not None and s.freeze_critic_attention:
             freeze_attention(critic)
         self.policy_opt = _adamw(policy, cfg.lr_policy, cfg.weight_decay)
         self.critic_opt = _adamw(critic, cfg.lr_critic, cfg.weight_decay) if critic else None
         self.running_mean = (RunningMean(cfg.window, cfg.running_mean_scope == "prompt")
-                             if cfg.algorithm == "running_mean" else None)
+                             if s.advantage == "running_mean" else None)
+        distributed = dist.is_available() and dist.is_initialized()
+        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
         self.step_count = 0
+        self.rank_tokens = 0  # tokens this rank ran forward, over all steps: its shares
 
     def step(self, trajs: list[Trajectory]) -> dict[str, float]:
         """One learner step on a batch of scored trajectories; returns namespaced metrics."""
-        batch = collate(trajs, device=self.device)
+        cfg = self.cfg
         index, self.step_count = self.step_count, self.step_count + 1
-        # reward/mean: the mean trajectory return, outcome plus any per-turn rewards
-        metrics = {"step/index": index, "reward/mean": batch.rewards.sum(-1).mean().item(),
-                   "step/skipped": 0, "step/policy_updated": 0, "step/critic_updates": 0}
+        returns = np.array([token_rewards(t).sum() for t in trajs])  # outcome plus per-turn rewards
+        metrics = {"step/index": index, "reward/mean": float(returns.mean()), "step/skipped": 0,
+                   "step/policy_updated": 0, "step/critic_updates": 0}
         # 1. a NaN reward or a non-finite rollout log-prob poisons everything computed from it
-        if not all_finite(batch.rewards, batch.logp_rollout[batch.action_mask]):
+        if not step_is_finite(trajs, returns):
             return metrics | {"step/skipped": 1}
+        plan = plan_step(trajs, self.rank, self.world, cfg.micro_batch_tokens, cfg.packed)
+        self.rank_tokens += plan.rank_tokens
+        mbs = [self._micro_batch(trajs, rows) for rows in plan.micro_batches]
+        metrics |= {"perf/micro_batches": len(mbs), "perf/rank_tokens": plan.rank_tokens}
         # 2. advantages and critic targets, once, before any update
-        adv, returns, values_old = self.advantages(batch)
-        metrics |= {"adv/mean": adv[batch.action_mask].mean().item(),
-                    "adv/abs_mean": adv[batch.action_mask].abs().mean().item()}
-        # 3. K critic steps on the same batch
+        metrics |= self.advantages(mbs, torch.tensor(returns, dtype=torch.float32), trajs, plan)
+        # 3. K critic steps on the same micro-batches
         critic_ok = True
         if self.critic is not None:
-            critic_ok, critic_metrics = self._critic_steps(batch, returns, values_old)
+            critic_ok, critic_metrics = self._critic_steps(mbs, plan)
             metrics |= critic_metrics
         # 4. one policy step, after the warm-up
         policy_ok, policy_metrics = self._policy_step(
-            batch, adv, update=index >= self.cfg.policy_warmup_steps)
+            mbs, plan, update=index >= self.settings.warmup_steps)
         return metrics | policy_metrics | {"step/skipped": int(not (critic_ok and policy_ok))}
 
-    @torch.no_grad()
-    def advantages(self, batch: Batch) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """(adv, returns, values), each (B, T); returns and values are None without a critic."""
-        cfg, mask = self.cfg, batch.action_mask
-        values = returns = None
-        if self.critic is not None:
-            values = critic_values(self.critic, batch, packed=cfg.packed)
-            lam = adaptive_lambda(batch.response_len, cfg.alpha)  # (B,)
-            adv, _ = skip_observation_gae(batch.rewards, values, mask, cfg.gamma, lam)
-            _, returns = skip_observation_gae(batch.rewards, values, mask, cfg.gamma, 1.0)
-        else:
-            total = batch.rewards.sum(-1)  # (B,) outcome plus per-turn rewards
-            if self.running_mean is not None:
-                seq_adv = self.running_mean.advantage(total, batch.prompt_ids)
-            else:
-                seq_adv = group_normalised_advantage(total, batch.group_ids)
-            adv = torch.where(mask, seq_adv[:, None], 0.0)
-        if cfg.whiten_advantages:
-            adv = whiten(adv, mask)
-        return adv, returns, values
+    def _micro_batch(self, trajs: list[Trajectory], rows: list[int]) -> MicroBatch:
+        if rows:
+            return MicroBatch(batch=collate([trajs[i] for i in rows], device=self.device), rows=rows)
+        # a rank with fewer micro-batches still runs the collectives: the step's shortest
+        # trajectory, with no action token, so it adds nothing to any loss, gradient or metric
+        rows = [min(range(len(trajs)), key=lambda i: len(trajs[i].tokens))]
+        batch = collate([trajs[rows[0]]], device=self.device)
+        batch.action_mask.zero_()
+        return MicroBatch(batch=batch, rows=rows)
 
-    def _critic_steps(self, batch: Batch, returns: Tensor,
-                      values_old: Tensor) -> tuple[bool, dict[str, float]]:
-        cfg, mask = self.cfg, batch.action_mask
-        applied, loss, grad_norm = 0, torch.tensor(math.nan), math.nan
-        for _ in range(cfg.num_critic_updates):
-            values = critic_values(self.critic, batch, packed=cfg.packed)
-            loss = value_loss(values, returns, mask, values_old=values_old, clip=cfg.value_clip,
-                              loss_agg=cfg.loss_agg)
-            stepped, grad_norm = guarded_step(loss, self.critic, self.critic_opt, cfg.max_grad_norm)
+    @torch.no_grad()
+    def advantages(self, mbs: list[MicroBatch], returns: Tensor, trajs: list[Trajectory],
+                   plan: StepPlan) -> dict[str, float]:
+        """Set each micro-batch's `adv` (and with a critic `returns`, `values`); returns the step's
+        advantage and value metrics. `returns`: (B,) every trajectory's total reward."""
+        cfg, stats = self.cfg, StepStats()
+        if self.settings.advantage == "group":
+            seq_adv = group_normalised_advantage(returns, [t.group or t.prompt_id for t in trajs])
+        elif self.settings.advantage == "running_mean":
+            seq_adv = self.running_mean.advantage(returns, [t.prompt_id for t in trajs])
+        for mb in mbs:
+            b, mask = mb.batch, mb.batch.action_mask
+            if self.critic is not None:
+                mb.values = critic_values(self.critic, b, packed=cfg.packed)
+                lam = adaptive_lambda(b.response_len, cfg.alpha)  # (b,)
+                mb.adv, _ = skip_observation_gae(b.rewards, mb.values, mask, cfg.gamma, lam)
+                _, mb.returns = skip_observation_gae(b.rewards, mb.values, mask, cfg.gamma, 1.0)
+                stats.add({"value/mean": _mean(mb.values, mask, plan)}
+                          | value_moments(mb.values, mb.returns, mask, plan.num_tokens))
+            else:  # one advantage per trajectory, computed from the whole step on every rank
+                mb.adv = torch.where(mask, seq_adv[mb.rows].to(self.device)[:, None], 0.0)
+            stats.add({"adv/mean": _mean(mb.adv, mask, plan), "adv2": _mean(mb.adv ** 2, mask, plan),
+                       "adv/abs_mean": _mean(mb.adv.abs(), mask, plan)})
+        step = stats.reduce()
+        if cfg.whiten_advantages:
+            std = math.sqrt(max(step["adv2"] - step["adv/mean"] ** 2, 0.0))
+            for mb in mbs:
+                mb.adv = whiten(mb.adv, mb.batch.action_mask, step["adv/mean"], std)
+        metrics = {k: step[k] for k in ("adv/mean", "adv/abs_mean")}
+        if self.critic is not None:
+            metrics |= {"value/mean": step["value/mean"], "value/explained_var": explained_variance(step)}
+        return metrics
+
+    def _critic_steps(self, mbs: list[MicroBatch], plan: StepPlan) -> tuple[bool, dict[str, float]]:
+        cfg, K = self.cfg, self.settings.critic_updates
+        applied, grad_norm, stats = 0, math.nan, StepStats()
+        for _ in range(K):
+            stats = StepStats()
+            for mb in mbs:
+                values = critic_values(self.critic, mb.batch, packed=cfg.packed)
+                loss = value_loss(values, mb.returns, mb.batch.action_mask, values_old=mb.values,
+                                  clip=cfg.value_clip, loss_agg=cfg.loss_agg,
+                                  num_tokens=plan.num_tokens, num_seqs=plan.num_seqs)
+                loss.backward()  # accumulates; FSDP2 reduce-scatters each micro-batch's share
+                stats.add({"loss/value": loss})
+            stepped, grad_norm = guarded_step(self.critic, self.critic_opt, cfg.max_grad_norm,
+                                              stats.sums["loss/value"])
             if not stepped:
                 break
             applied += 1
-        return applied == cfg.num_critic_updates, {
-                "loss/value": loss.item(), "grad_norm/critic": grad_norm,
-                "step/critic_updates": applied,
-                "value/mean": values_old[mask].mean().item(),
-                "value/explained_var": explained_variance(values_old, returns, mask).item()}
+        return applied == K, stats.reduce() | {"grad_norm/critic": grad_norm,
+                                               "step/critic_updates": applied}
 
-    def _policy_step(self, batch: Batch, adv: Tensor, update: bool) -> tuple[bool, dict[str, float]]:
-        cfg, mask = self.cfg, batch.action_mask
+    def _policy_step(self, mbs: list[MicroBatch], plan: StepPlan,
+                     update: bool) -> tuple[bool, dict[str, float]]:
+        cfg, stats = self.cfg, StepStats()
         eps_low, eps_high = cfg.eps
-        with torch.set_grad_enabled(update):
-            logp, entropy = token_logprobs(self.policy, batch, temperature=cfg.temperature,
-                                           packed=cfg.packed)
-            # policy loss: DIS against π_rollout, or the PPO clip against the batch-start weights
-            ppo_stats = {}
-            if cfg.algorithm == "grpo":
-                loss, ppo_stats = ppo_clip_policy_loss(logp, logp.detach(), adv, mask,
-                                                       cfg.ppo_clip_eps, cfg.loss_agg)
-                # grpo ignores π_rollout, but how far it drifted is still worth reporting
-                stats = ratio_stats(logp, batch.logp_rollout, mask, eps_low, eps_high)
-            else:
-                loss, stats = dis_policy_loss(logp, batch.logp_rollout, adv, mask, eps_low, eps_high,
-                                              cfg.loss_agg)
-            # optional terms, skipped at 0 so an overflowing masked token cannot turn 0·inf into NaN
-            if cfg.kl_coef:
-                kl = aggregate(k3_kl(logp, batch.logp_rollout), mask, cfg.loss_agg)
-                loss = loss + cfg.kl_coef * kl
-            if cfg.entropy_coef:
-                loss = loss - cfg.entropy_coef * aggregate(entropy, mask, cfg.loss_agg)
-        metrics = ({f"dis/{k}": v.item() for k, v in stats.items()}
-                   | {f"ppo/{k}": v.item() for k, v in ppo_stats.items()})
-        metrics |= {"loss/policy": loss.item(), "grad_norm/policy": math.nan,
-                    "policy/entropy": entropy[mask].mean().item()}
+        counts = dict(num_tokens=plan.num_tokens, num_seqs=plan.num_seqs)
+        for mb in mbs:
+            b, mask = mb.batch, mb.batch.action_mask
+            with torch.set_grad_enabled(update):
+                logp, entropy = token_logprobs(self.policy, b, temperature=cfg.temperature,
+                                               packed=cfg.packed, chunk_tokens=cfg.logprob_chunk_tokens)
+                # policy loss: DIS against π_rollout, or the PPO clip against the batch-start weights
+                if self.settings.policy_loss == "ppo_clip":
+                    loss, ppo = ppo_clip_policy_loss(logp, logp.detach(), mb.adv, mask,
+                                                     cfg.ppo_clip_eps, cfg.loss_agg, **counts)
+                    stats.add({f"ppo/{k}": v for k, v in ppo.items()})
+                    # grpo ignores π_rollout, but how far it drifted is still worth reporting
+                    dis = ratio_stats(logp, b.logp_rollout, mask, eps_low, eps_high, plan.num_tokens)
+                else:
+                    loss, dis = dis_policy_loss(logp, b.logp_rollout, mb.adv, mask, eps_low,
+                                                eps_high, cfg.loss_agg, **counts)
+                # optional terms, skipped at 0 so an overflowing masked token cannot turn 0·inf into NaN
+                if cfg.kl_coef:
+                    loss = loss + cfg.kl_coef * aggregate(k3_kl(logp, b.logp_rollout), mask,
+                                                          cfg.loss_agg, **counts)
+                if cfg.entropy_coef:
+                    loss = loss - cfg.entropy_coef * aggregate(entropy, mask, cfg.loss_agg, **counts)
+            if update:
+                loss.backward()
+            stats.maximum({"dis/ratio_max": dis.pop("ratio_max")})
+            stats.minimum({"dis/ratio_min": dis.pop("ratio_min")})
+            stats.add({f"dis/{k}": v for k, v in dis.items()}
+                      | {"loss/policy": loss, "policy/entropy": _mean(entropy, mask, plan)})
+        metrics = {"grad_norm/policy": math.nan}
         if not update:  # critic warm-up: the policy stays bit-identical
-            return True, metrics
-        stepped, grad_norm = guarded_step(loss, self.policy, self.policy_opt, cfg.max_grad_norm)
-        return stepped, metrics | {"grad_norm/policy": grad_norm, "step/policy_updated": int(stepped)}
+            return True, stats.reduce() | metrics
+        stepped, grad_norm = guarded_step(self.policy, self.policy_opt, cfg.max_grad_norm,
+                                          stats.sums["loss/policy"])
+        return stepped, stats.reduce() | {"grad_norm/policy": grad_norm,
+                                          "step/policy_updated": int(stepped)}
 
-    def state_dict(self) -> dict:
-        return {"step": self.step_count, "policy_opt": self.policy_opt.state_dict(),
-                "critic_opt": self.critic_opt.state_dict() if self.critic_opt else None,
-                "running_mean": self.running_mean.state_dict() if self.running_mean else None}
+    def state_dict(self, *, optimizers: Collection[str] | None = None) -> dict:
+        """The whole training state: the models' and optimizers' states as FSDP2 leaves them
+        (DTensor shards, never gathered) and plain data. `optimizers`: which of "policy_opt",
+        "critic_opt" to include; by default those that have stepped (building an unstepped
+        optimizer's state takes a zero step, which would shift Adam's bias correction), a loader
+        names those its checkpoint holds."""
+        stepped = {name for name, opt in (("policy_opt", self.policy_opt), ("critic_opt", self.critic_opt))
+                   if opt is not None and opt.state}
+        optimizers = stepped if optimizers is None else set(optimizers)
+        state = {"step": self.step_count, "policy": get_model_state_dict(self.policy),
+                 "running_mean": self.running_mean.state_dict() if self.running_mean else None}
+        if "policy_opt" in optimizers:
+            state["policy_opt"] = get_optimizer_state_dict(self.policy, self.policy_opt)
+        if self.critic is not None:
+            state["critic"] = get_model_state_dict(self.critic)
+            if "critic_opt" in optimizers:
+                state["critic_opt"] = get_optimizer_state_dict(self.critic, self.critic_opt)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.step_count = state["step"]
-        self.policy_opt.load_state_dict(state["policy_opt"])
-        if self.critic_opt:
-            self.critic_opt.load_state_dict(state["critic_opt"])
+        set_model_state_dict(self.policy, state["policy"])
+        if "policy_opt" in state:
+            set_optimizer_state_dict(self.policy, self.policy_opt, state["policy_opt"])
+        if self.critic is not None:
+            set_model_state_dict(self.critic, state["critic"])
+            if "critic_opt" in state:
+                set_optimizer_state_dict(self.critic, self.critic_opt, state["critic_opt"])
         if self.running_mean:
             self.running_mean.load_state_dict(state["running_mean"])
+
+
+def _mean(x: Tensor, mask: Tensor, plan: StepPlan) -> Tensor:
+    """This micro-batch's part of the step's token mean of x over action tokens."""
+    return aggregate(x, mask, "token_mean", num_tokens=plan.num_tokens)
 
 
 def _adamw(model: nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:

@@ -15,6 +15,7 @@ checkpoint format (the critic is an nn.Module like any other; the checkpointer s
 from __future__ import annotations
 
 import copy
+import math
 from collections import defaultdict
 
 import torch
@@ -130,19 +131,32 @@ def format_report(report: dict[str, dict[str, int]]) -> str:
 
 def value_loss(values: Tensor, returns: Tensor, action_mask: Tensor, *,
                values_old: Tensor | None = None, clip: float | None = None,
-               loss_agg: LossAgg = "token_mean") -> Tensor:
+               loss_agg: LossAgg = "token_mean", num_tokens: int | None = None,
+               num_seqs: int | None = None) -> Tensor:
     """MSE on action tokens: agg((V_t − R_t)²); with `clip`, agg(max((V_t − R_t)²,
-    (V_old + clamp(V_t − V_old, ±clip) − R_t)²)), PPO-style (SAO.md §5)."""
+    (V_old + clamp(V_t − V_old, ±clip) − R_t)²)), PPO-style (SAO.md §5). `num_tokens`/`num_seqs`:
+    the step's counts when this is one micro-batch (see `aggregate`)."""
     err = (values - returns) ** 2
     if clip is not None:
         v_clipped = values_old + (values - values_old).clamp(-clip, clip)
         err = torch.max(err, (v_clipped - returns) ** 2)
-    return aggregate(err, action_mask, loss_agg)
+    return aggregate(err, action_mask, loss_agg, num_tokens=num_tokens, num_seqs=num_seqs)
 
 
 @torch.no_grad()
-def explained_variance(values: Tensor, returns: Tensor, action_mask: Tensor) -> Tensor:
-    """1 − Var(R − V) / Var(R) over action tokens; NaN when the returns do not vary."""
-    v, r = values[action_mask], returns[action_mask]
-    var_r = r.var(unbiased=False)
-    return torch.where(var_r > 0, 1.0 - (r - v).var(unbiased=False) / var_r, torch.nan)
+def value_moments(values: Tensor, returns: Tensor, action_mask: Tensor,
+                  num_tokens: int | None = None) -> dict[str, Tensor]:
+    """Means over N action tokens of R, R², R − V and (R − V)²: sums over micro-batches and ranks
+    give the step's, from which `explained_variance` follows."""
+    def mean(x: Tensor) -> Tensor:
+        return aggregate(x, action_mask, "token_mean", num_tokens=num_tokens)
+
+    err = returns - values
+    return {"r": mean(returns), "r2": mean(returns ** 2), "e": mean(err), "e2": mean(err ** 2)}
+
+
+def explained_variance(m: dict[str, float]) -> float:
+    """1 − Var(R − V) / Var(R) over action tokens, from `value_moments`; NaN when R does not vary."""
+    var_r = m["r2"] - m["r"] ** 2
+    # E[R²] − E[R]² of constant returns is rounding noise, not variance
+    return 1.0 - (m["e2"] - m["e"] ** 2) / var_r if var_r > 1e-6 * (m["r2"] + 1e-12) else math.nan

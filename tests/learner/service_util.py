@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import msgpack
 import torch
 from safetensors.torch import load_file
 
@@ -97,14 +98,19 @@ def assert_close_state(a: dict, b: dict, rtol: float) -> None:
         torch.testing.assert_close(a[k], b[k], rtol=rtol, atol=rtol, msg=k)
 
 
+def latest_checkpoint(run_dir: Path) -> Path:
+    return sorted((run_dir / "learner" / "checkpoints").glob("step*"))[-1]
+
+
 def final_policy(run_dir: Path) -> dict[str, torch.Tensor]:
-    ckpts = sorted((run_dir / "learner" / "checkpoints").glob("step*.pt"))
-    return torch.load(ckpts[-1], weights_only=True)["policy"]
-
-
+    """The policy in the newest checkpoint, its shards joined (DCP's offline converter)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    out = run_dir / "final_policy.pt"
+    dcp_to_torch_save(latest_checkpoint(run_dir), out)
+    return torch.load(out, weights_only=False)["policy"]
 
 
 def trained_ledger(run_dir: Path) -> dict[str, int]:
     """trajectory id -> step index, from the newest checkpoint's ledger."""
-    ckpt = sorted((run_dir / "learner" / "checkpoints").glob("*.pt"))[-1]
-    return dict(torch.load(ckpt, weights_only=True)["source"]["trained"])
+    data = (latest_checkpoint(run_dir) / "learner.msgpack").read_bytes()
+    return dict(msgpack.unpackb(data, raw=False, strict_map_key=False)["source"]["trained"])

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from learner.logprobs import collate, logprobs_from_logits, token_logprobs, token_rewards
+from learner.logprobs import chunked_target_logprobs, collate, model_inputs, target_logprobs, token_logprobs, token_rewards
 from learner.models import tiny_llama, tiny_qwen3_moe
 from producers.envs import make_env
 from producers.episode import play_tasks
@@ -59,13 +59,27 @@ def test_collate_refuses_unscored_or_misplaced_rewards():
         collate([traj([1, 5], [0, 0], prompt_len=2)])
 
 
-def test_logprobs_from_logits_by_hand():
-    logits = torch.tensor([[[0.0, 0.0], [2.0, 0.0], [9.0, 9.0]]])  # (1, 3, 2)
-    logp, ent = logprobs_from_logits(logits, torch.tensor([[1, 1, 0]]), temperature=2.0)
+def test_target_logprobs_by_hand():
+    logits = torch.tensor([[0.0, 0.0], [2.0, 0.0]])  # (2, V=2)
+    logp, ent = target_logprobs(logits, torch.tensor([1, 0]), temperature=2.0)
     # token 1 from logits [0, 0] / 2: log ½; token 0 from [2, 0] / 2 = [1, 0]: 1 − log(e + 1)
-    expected = torch.tensor([[0.0, np.log(0.5), 1 - np.log(np.e + 1)]], dtype=torch.float32)
-    torch.testing.assert_close(logp, expected)
-    assert ent[0, 1].item() == pytest.approx(np.log(2.0))
+    torch.testing.assert_close(logp, torch.tensor([np.log(0.5), 1 - np.log(np.e + 1)], dtype=torch.float32))
+    assert ent[0].item() == pytest.approx(np.log(2.0))
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 1000])
+def test_chunked_logprobs_and_entropy_and_their_gradients_equal_the_full_computation(chunk):
+    torch.manual_seed(0)
+    hidden = torch.randn(100, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 50, (100,))
+    full = target_logprobs(hidden @ weight.T, targets, 0.7)
+    part = chunked_target_logprobs(hidden, weight, targets, 0.7, chunk)
+    for a, b in zip(full, part):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=0)
+    grads = [torch.autograd.grad((lp * 1.5 + ent).sum(), (hidden, weight)) for lp, ent in (full, part)]
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=0)
 
 
 def _reference_logprobs(model, tokens, temperature):
@@ -94,6 +108,23 @@ def test_padded_and_packed_match_each_trajectory_alone(build, packed):
         acted = torch.from_numpy(t.action_mask.astype(bool))
         torch.testing.assert_close(logp[b, :n], torch.where(acted, ref, 0.0), atol=2e-5, rtol=1e-5)
         assert (logp[b, n:] == 0).all() and (ent[b, ~batch.action_mask[b]] == 0).all()
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_token_logprobs_in_chunks_equal_the_full_logits_computation(packed):
+    """Chunks of 3 action tokens from the hidden states against full (B, T, V) float32 logits."""
+    model = tiny_qwen3_moe(seed=4)
+    rng = np.random.default_rng(1)
+    trajs = [traj(rng.integers(3, 64, n), np.r_[np.zeros(2), np.ones(n - 2)], prompt_len=2)
+             for n in (9, 4, 13)]
+    batch = collate(trajs)
+    with torch.no_grad():
+        logp, ent = token_logprobs(model, batch, temperature=0.8, packed=packed, chunk_tokens=3)
+        logits = model(**model_inputs(batch, packed=False)).logits  # (B, T, V)
+        full_logp, full_ent = target_logprobs(logits[:, :-1], batch.tokens[:, 1:], 0.8)
+    acted = batch.action_mask[:, 1:]
+    torch.testing.assert_close(logp[:, 1:], torch.where(acted, full_logp, 0.0), atol=1e-6, rtol=0)
+    torch.testing.assert_close(ent[:, 1:], torch.where(acted, full_ent, 0.0), atol=1e-6, rtol=0)
 
 
 def test_packed_forward_backpropagates_like_padded():

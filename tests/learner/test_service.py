@@ -18,7 +18,8 @@ from schemas import topics as T
 from schemas.kafka import make_consumer
 from schemas.messages import DeadLetter, Weights
 from tests.learner.service_util import (ROOT, announcements, assert_close_state, final_policy, learner_cmd,
-                                        load_weights, metrics, publish, rollouts, run_learner)
+                                        load_weights, metrics, publish, rollouts, run_learner,
+                                        trained_ledger)
 
 
 def test_learner_trains_on_fresh_rollouts_and_publishes_loadable_versions(kafka_cfg, tmp_path):
@@ -103,14 +104,10 @@ def test_sigkill_three_times_trains_every_trajectory_exactly_once(kafka_bootstra
 
     # the ledger in the final checkpoint says which step trained each trajectory: every one of
     # the 296 in exactly one step, eight to a step, as in the uninterrupted run
-    def ledger(run_dir):
-        ckpt = sorted((run_dir / "learner" / "checkpoints").glob("*.pt"))[-1]
-        return dict(torch.load(ckpt, weights_only=True)["source"]["trained"])
-
-    trained = ledger(run_dir)
+    trained = trained_ledger(run_dir)
     assert set(trained) == {t.id for t in trajs[:296]}
     assert sorted(collections.Counter(trained.values()).items()) == [(s, 8) for s in range(37)]
-    assert trained == ledger(runs["clean"][1])
+    assert trained == trained_ledger(runs["clean"][1])
     # every step the metrics log recorded, replays after a crash included, had the ledger's
     # composition (a crash after a checkpoint may leave a step without its line, never wrong)
     records = metrics(run_dir)

@@ -1,5 +1,5 @@
 """SAOUpdate (SAO.md §3–§5, §7): warm-up, the non-finite guard, baselines on the same path,
-checkpointable state, determinism, and its config."""
+micro-batches equal to the one-shot step, checkpointable state, determinism, and its config."""
 
 import os
 
@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from learner.logprobs import collate
+from learner.logprobs import collate, token_rewards
+from learner.microbatch import plan_step
 from learner.models import tiny_llama
-from learner.update import SAOUpdate, UpdateConfig, guarded_step
+from learner.update import SAOUpdate, UpdateConfig, MicroBatch, algorithm_settings, guarded_step
 from learner.value import ValueModel
 from producers.envs import make_env
 from producers.episode import play_tasks
@@ -33,19 +34,29 @@ REQUIRED_METRICS = {
 def build(algorithm="sao", seed=0, **kw):
     policy = tiny_llama(seed=seed)
     critic = ValueModel.from_policy(policy) if algorithm.startswith("sao") else None
-    return SAOUpdate(policy, critic, UpdateConfig(algorithm=algorithm, lr_policy=1e-2, lr_critic=1e-2, **kw))
+    return SAOUpdate(policy, critic, UpdateConfig(algorithm=algorithm, **{"lr_policy": 1e-2, "lr_critic": 1e-2} | kw))
 
 
-def rollouts(update, seed=0, num_prompts=4, group_size=1, env="toy-multiturn"):
+def rollouts(update, seed=0, num_prompts=4, group_size=1, env="toy-multiturn", max_tokens=3):
     """Trajectories sampled by the update's own policy (the on-policy, in-process case)."""
     return play_tasks(make_env(env, turn_rewards=True), HFGenerator(update.policy, seed=seed),
-                      SamplingParams(max_tokens=3), random.Random(seed),
-                      num_prompts=num_prompts, group_size=group_size, id_prefix=f"{seed}.")
+                      SamplingParams(max_tokens=max_tokens), random.Random(seed),
+                      num_prompts=num_prompts, group_size=group_size, id_prefix=f"{seed}.{max_tokens}.")
 
 
 def params_of(update):
     models = [update.policy] + ([update.critic] if update.critic is not None else [])
     return [p.detach().clone() for m in models for p in m.parameters()]
+
+
+def advantages(update, trajs):
+    """(adv, returns, values) of the whole step as one micro-batch, each (B, T) in step order."""
+    plan = plan_step(trajs, 0, 1, 0, False)
+    rows = plan.micro_batches[0]  # the longest first
+    mb = MicroBatch(batch=collate([trajs[i] for i in rows]), rows=rows)
+    update.advantages([mb], torch.tensor([token_rewards(t).sum() for t in trajs]), trajs, plan)
+    order = torch.tensor(rows).argsort()
+    return tuple(None if x is None else x[order] for x in (mb.adv, mb.returns, mb.values))
 
 
 def same(a, b):
@@ -88,18 +99,21 @@ def test_non_finite_input_leaves_every_parameter_and_optimizer_state_unchanged(a
     after = update.state_dict()
     assert after["step"] == opt_before["step"] + 1
     for key in ("policy_opt", "critic_opt", "running_mean"):
-        assert str(after[key]) == str(opt_before[key]), key
+        assert str(after.get(key)) == str(opt_before.get(key)), key
 
 
 def test_guard_skips_a_finite_loss_with_a_non_finite_gradient():
     model = torch.nn.Linear(3, 1)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    assert guarded_step(model(torch.ones(1, 3)).sum(), model, opt, 1.0)[0]  # a real step first
+    loss = model(torch.ones(1, 3)).sum()
+    loss.backward()
+    assert guarded_step(model, opt, 1.0, loss)[0]  # a real step first
     before = [p.detach().clone() for p in model.parameters()]
     state = copy.deepcopy(opt.state_dict())
     w = model.weight
     loss = (w - w.detach()).abs().sqrt().sum()  # value 0, gradient ∞ at 0
-    stepped, grad_norm = guarded_step(loss, model, opt, 1.0)
+    loss.backward()
+    stepped, grad_norm = guarded_step(model, opt, 1.0, loss)
     assert torch.isfinite(loss) and not stepped and not math.isfinite(grad_norm)
     assert same(before, [p.detach() for p in model.parameters()])
     assert str(opt.state_dict()) == str(state)
@@ -117,7 +131,7 @@ def test_grpo_advantage_is_group_normalised_and_spread_over_action_tokens():
     update = build("grpo")
     trajs = rollouts(update, num_prompts=2, group_size=4)
     batch = collate(trajs)
-    adv, returns, values = update.advantages(batch)
+    adv, returns, values = advantages(update, trajs)
     assert returns is None and values is None
     total = batch.rewards.sum(-1)
     for b in range(batch.size):
@@ -133,13 +147,13 @@ def test_running_mean_starts_at_zero_advantage_then_uses_history():
     update = build("running_mean")
     trajs = rollouts(update, num_prompts=3)
     batch = collate(trajs)
-    adv, _, _ = update.advantages(batch)
+    adv, _, _ = advantages(update, trajs)
     assert (adv == 0).all()  # no history yet
     total = batch.rewards.sum(-1)
     for t in trajs:
         t.reward += 0.5  # the same prompts score 0.5 higher: Â = 0.5 against the history
     batch2 = collate(trajs)
-    adv2, _, _ = update.advantages(batch2)
+    adv2, _, _ = advantages(update, trajs)
     assert batch2.rewards.sum(-1).sub(total).allclose(torch.full((3,), 0.5))
     torch.testing.assert_close(adv2[batch2.action_mask], torch.full((int(batch2.action_mask.sum()),), 0.5))
 
@@ -153,13 +167,9 @@ def test_state_dict_round_trip_resumes_bit_identically(algorithm):
     b = build(algorithm, warmup_steps=1)
     for trajs in batches[:2]:
         b.step(trajs)
-    saved = copy.deepcopy((b.state_dict(), b.policy.state_dict(),
-                           b.critic.state_dict() if b.critic else None))
-    c = build(algorithm, warmup_steps=1)
-    c.load_state_dict(saved[0])
-    c.policy.load_state_dict(saved[1])
-    if c.critic is not None:
-        c.critic.load_state_dict(saved[2])
+    saved = copy.deepcopy(b.state_dict())  # models, optimizers, counters: one state
+    c = build(algorithm, seed=1, warmup_steps=1)
+    c.load_state_dict(saved)
     c.step(batches[2])
     assert same(params_of(a), params_of(c))
     assert c.state_dict()["step"] == 3
@@ -186,8 +196,8 @@ def test_config_presets_overrides_validation_and_environment():
     assert UpdateConfig().eps == (0.3, 5.0)
     assert UpdateConfig(preset="coding").eps == (0.8, 3.0)
     assert UpdateConfig(preset="coding", eps_high=2.0).eps == (0.8, 2.0)
-    assert UpdateConfig(algorithm="sao_k1").num_critic_updates == 1
-    assert UpdateConfig(algorithm="grpo").policy_warmup_steps == 0
+    assert UpdateConfig(algorithm="sao_k1").settings.critic_updates == 1
+    assert UpdateConfig(algorithm="grpo").settings.warmup_steps == 0
     assert UpdateConfig(running_mean_scope="global").window == 128
     assert UpdateConfig().window == 8
     with pytest.raises(ValueError, match="--lr-policy"):
@@ -208,3 +218,41 @@ def test_every_algorithm_runs_on_the_same_path():
         assert metrics["step/skipped"] == 0 and metrics["step/policy_updated"] == 1, algorithm
         assert all(math.isfinite(v) for k, v in metrics.items()
                    if not k.startswith(("value/explained", "grad_norm/critic"))), (algorithm, metrics)
+
+
+def test_each_algorithm_name_resolves_once_into_its_settings():
+    table = {name: algorithm_settings(name, critic_updates=2, warmup_steps=10) for name in
+             ("sao", "sao_k1", "sao_full_critic", "grpo", "grpo_dis", "running_mean")}
+    row = {n: (s.advantage, s.policy_loss, s.critic_updates, s.freeze_critic_attention, s.warmup_steps)
+           for n, s in table.items()}
+    assert row == {"sao": ("gae", "dis", 2, True, 10), "sao_k1": ("gae", "dis", 1, True, 10),
+                   "sao_full_critic": ("gae", "dis", 2, False, 10),
+                   "grpo": ("group", "ppo_clip", 0, False, 0), "grpo_dis": ("group", "dis", 0, False, 0),
+                   "running_mean": ("running_mean", "dis", 0, False, 0)}
+    with pytest.raises(ValueError, match="--algorithm"):
+        algorithm_settings("ppo")
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("algorithm,extra", [
+    ("sao", {}), ("sao", {"loss_agg": "seq_mean_token_mean", "whiten_advantages": True}),
+    ("grpo_dis", {}), ("running_mean", {"kl_coef": 0.1, "entropy_coef": 0.01})])
+def test_micro_batched_step_equals_the_one_shot_step(algorithm, extra, packed):
+    """Losses divided by the step's counts: accumulated gradients equal the one-shot gradient."""
+    torch.set_default_dtype(torch.float32)
+    trajs = [t for n in (2, 3, 6) for t in rollouts(build(algorithm), seed=n, num_prompts=2,
+                                                     group_size=2, max_tokens=n)]
+    assert len({len(t.tokens) for t in trajs}) > 1  # different lengths: padding and packing differ
+    budget = 2 * max(len(t.tokens) for t in trajs)
+    # Adam's first step moves a weight by about lr·sign(g) whatever g's scale: 1e-3 keeps the
+    # rounding of near-zero gradients under 1e-5, and the gradient norms check the scale
+    ups = [build(algorithm, warmup_steps=0, packed=packed, micro_batch_tokens=tokens,
+                 lr_policy=1e-3, lr_critic=1e-3, **extra) for tokens in (0, budget)]
+    ms = [u.step(trajs) for u in ups]
+    assert ms[0]["perf/micro_batches"] == 1 and ms[1]["perf/micro_batches"] >= 4
+    keys = ["loss/policy", "grad_norm/policy", "dis/kept_frac", "adv/abs_mean", "policy/entropy",
+            "dis/ratio_max"] + (["loss/value", "grad_norm/critic"] if algorithm == "sao" else [])
+    for key in keys:
+        assert ms[1][key] == pytest.approx(ms[0][key], rel=1e-5, abs=1e-6), key
+    for p, q in zip(params_of(ups[0]), params_of(ups[1])):
+        torch.testing.assert_close(q, p, atol=1e-5, rtol=1e-5)

@@ -5,6 +5,8 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -13,7 +15,8 @@ from learner.logprobs import collate
 from learner.models import tiny_llama, tiny_qwen3_moe
 from learner.update import SAOUpdate, UpdateConfig
 from learner.value import (ValueModel, critic_values, explained_variance, format_report,
-                           freeze_attention, is_attention, param_report, value_loss)
+                           freeze_attention, is_attention, param_report, value_loss,
+                           value_moments)
 from schemas.messages import Trajectory
 
 BUILDERS = {"llama": tiny_llama, "qwen3_moe": tiny_qwen3_moe}
@@ -147,8 +150,22 @@ def test_value_loss_by_hand_with_and_without_clipping():
 def test_explained_variance_on_action_tokens():
     returns = torch.tensor([[9.0, 1.0, 2.0, 3.0]])
     m = torch.tensor([[False, True, True, True]])
-    assert explained_variance(returns, returns, m).item() == 1.0
-    assert explained_variance(torch.zeros(1, 4), returns, m).item() == pytest.approx(0.0)
+
+    def ev(values, returns):
+        return explained_variance({k: v.item() for k, v in value_moments(values, returns, m).items()})
+
+    assert ev(returns, returns) == pytest.approx(1.0)
+    assert ev(torch.zeros(1, 4), returns) == pytest.approx(0.0, abs=1e-6)
     # a constant offset leaves Var(R − V) = 0: everything is explained
-    assert explained_variance(returns + 0.5, returns, m).item() == pytest.approx(1.0)
-    assert torch.isnan(explained_variance(returns, torch.ones(1, 4), m))
+    assert ev(returns + 0.5, returns) == pytest.approx(1.0)
+    assert math.isnan(ev(returns, torch.ones(1, 4)))
+
+
+def test_value_moments_of_micro_batches_sum_to_the_steps():
+    values, returns = torch.randn(4, 6), torch.randn(4, 6)
+    m = torch.rand(4, 6) > 0.3
+    whole = value_moments(values, returns, m)
+    n = int(m.sum())
+    parts = [value_moments(values[i:i + 2], returns[i:i + 2], m[i:i + 2], num_tokens=n) for i in (0, 2)]
+    for k in whole:
+        torch.testing.assert_close(parts[0][k] + parts[1][k], whole[k])

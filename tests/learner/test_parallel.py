@@ -1,0 +1,102 @@
+"""Data parallelism on real gloo ranks: 2 ranks with the step split equal 1 rank with the whole
+step, each rank runs about half the tokens, and sharded checkpoints resume on another world size."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from learner.microbatch import balanced_shares, micro_batches
+from learner.models import ModelConfig, build_models
+from learner.parallel import ParallelConfig, gather_buckets, init_distributed
+from learner.store import Checkpointer
+from learner.update import SAOUpdate, UpdateConfig
+from sao.broker import free_port
+
+
+def _rollouts():
+    from tests.learner.service_util import rollouts
+    return rollouts(12, seed=5)
+
+
+def _worker(rank: int, world: int, port: int, out: str, steps: tuple[int, int], resume: str) -> None:
+    """Train steps [first, last) of 4 trajectories each, optionally from a checkpoint, then save
+    the full policy (rank 0), this rank's token counter, and a checkpoint."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    _, _, device = init_distributed("cpu")
+    cfg = UpdateConfig(algorithm="sao", warmup_steps=0, lr_policy=1e-3, lr_critic=1e-3,
+                       micro_batch_tokens=32)
+    policy, critic = build_models(ModelConfig(), cfg.settings.uses_critic, ParallelConfig(), device)
+    update = SAOUpdate(policy, critic, cfg)
+    ckpt = Checkpointer(Path(out) / "checkpoints")
+    if resume:
+        path = Path(resume)
+        update.load_state_dict(Checkpointer.load(path, update.state_dict(optimizers=Checkpointer.saved_keys(path))))
+    trajs = _rollouts()
+    for i in range(*steps):
+        update.step(trajs[4 * i: 4 * i + 4])
+    ckpt.save(update.step_count, update.state_dict())
+    ckpt.wait()
+    full = {name: t for bucket in gather_buckets(policy, bucket_bytes=4096) for name, t in bucket}
+    if rank == 0:
+        torch.save(full, Path(out) / "policy.pt")
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps({"tokens": update.rank_tokens}))
+    dist.destroy_process_group()
+
+
+def train(out: Path, world: int, steps=(0, 3), resume: Path | None = None):
+    """SAO steps of 4 trajectories, micro-batches of at most 32 tokens, on `world` gloo ranks."""
+    out.mkdir(parents=True, exist_ok=True)
+    mp.spawn(_worker, args=(world, free_port(), str(out), steps, str(resume or "")),
+             nprocs=world, join=True)
+    tokens = [json.loads((out / f"rank{r}.json").read_text())["tokens"] for r in range(world)]
+    return torch.load(out / "policy.pt", weights_only=True), tokens
+
+
+def assert_same(a, b, tol):
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=tol, rtol=tol, msg=k)
+
+
+def test_token_balanced_shares_and_budgeted_micro_batches():
+    lengths = [10, 3, 7, 7, 2, 9]
+    shares = balanced_shares(lengths, 2)
+    assert sorted(i for s in shares for i in s) == list(range(6))
+    loads = [sum(lengths[i] for i in s) for s in shares]
+    assert abs(loads[0] - loads[1]) <= max(lengths)
+    assert micro_batches(lengths, range(6), 14, packed=True) == [[0], [5], [2, 3], [1, 4]]
+    assert micro_batches(lengths, range(6), 18, packed=True) == [[0], [5, 2], [3, 1, 4]]
+    # padded, a row costs the group's longest: 7, 3, 2 would cost 3 × 7 = 21
+    assert micro_batches(lengths, range(6), 18, packed=False) == [[0], [5, 2], [3, 1], [4]]
+    assert micro_batches(lengths, range(6), 5, packed=True) == [[0], [5], [2], [3], [1, 4]]
+    assert micro_batches(lengths, range(6), 0, packed=False) == [[0, 5, 2, 3, 1, 4]]
+
+
+def test_two_ranks_with_the_step_split_equal_one_rank_with_the_whole_step(tmp_path):
+    one, (tokens1,) = train(tmp_path / "1", 1)
+    two, tokens2 = train(tmp_path / "2", 2)
+    assert_same(two, one, 1e-5)
+    assert sum(tokens2) == tokens1
+    assert all(abs(t - tokens1 / 2) <= 0.15 * tokens1 for t in tokens2), tokens2  # about half each
+    from learner.models import tiny_llama
+    assert not all(torch.equal(one[k], v) for k, v in tiny_llama(seed=0).state_dict().items())
+
+
+def test_a_checkpoint_of_two_ranks_resumes_on_one(tmp_path):
+    whole, _ = train(tmp_path / "whole", 1, steps=(0, 3))
+    train(tmp_path / "first", 2, steps=(0, 2))
+    saved = sorted((tmp_path / "first" / "checkpoints").glob("step*"))
+    assert [p.name for p in saved] == ["step00000002"]
+    resumed, _ = train(tmp_path / "rest", 1, steps=(2, 3), resume=saved[-1])
+    assert_same(resumed, whole, 1e-5)
