@@ -1,16 +1,22 @@
-"""Generation tokens/s of the `hf` backend in-process, and the same model behind `sao serve` over
-HTTP (a separate process, as deployed), as a ratio to in-process.
+"""Generation tokens/s against the number of requests in flight (1, 4, 16, 64), per backend, as a
+ratio to one request at a time measured in the same run.
 
-For each model: a math chat prompt, `--repeats` generations of exactly `--tokens` tokens (no stop
-token, so every call decodes the same length), one client, requests in sequence. The server runs
-`sao serve --no-follow-weights` on loopback; its start-up time is not counted.
+- `hf`: the model in-process; concurrent requests share decode steps (dynamic batching).
+- `http`: the same model behind `sao serve` (a separate process, as deployed), through the
+  async client; the server batches concurrent requests the same way. Its start-up is not counted.
+- `sim`: the load-test backend (`--sim-token-s` per token, every request exactly `--tokens` long);
+  shows what the harness itself sustains, since simulated requests do not slow each other.
 
-    .venv/bin/python bench/generation.py [--models smollm2 tiny-llama-bytes] [--tokens 64] [--repeats 4]
+Each level runs `concurrency` requests at once, each of exactly `--tokens` tokens (no stop token),
+after one warm-up request. A math chat prompt of the model's chat template.
+
+    .venv/bin/python bench/generation.py [--models smollm2] [--backends hf sim] [--concurrency 1 4 16 64] [--tokens 64]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime
 import os
 import platform
@@ -31,21 +37,23 @@ from producers.envs.chat import Chat  # noqa: E402
 from producers.generate.base import SamplingParams  # noqa: E402
 from producers.generate.hf import HFGenerator  # noqa: E402
 from producers.generate.http import HttpGenerator  # noqa: E402
+from producers.generate.sim import SimConfig, SimGenerator  # noqa: E402
 from producers.models import load_model, load_tokenizer  # noqa: E402
 
 QUESTION = "A hall has 12 rows of 18 chairs and 34 people sit down. How many chairs are free?"
 
 
-def tokens_per_s(gen, prompt: list[int], tokens: int, repeats: int) -> tuple[float, float]:
-    """(tokens/s, seconds) over `repeats` generations of `tokens` tokens, after one warm-up call."""
+def tokens_per_s(gen, prompt: list[int], tokens: int, concurrency: int) -> float:
+    """Tokens/s of `concurrency` requests of `tokens` tokens run at once, after a warm-up call."""
     params = SamplingParams(temperature=1.0, max_tokens=tokens)
-    gen.generate(prompt, SamplingParams(temperature=1.0, max_tokens=4))
-    t0, n = time.perf_counter(), 0
-    for _ in range(repeats):
-        out = gen.generate(prompt, params)
-        n += len(out.token_ids)
-    dt = time.perf_counter() - t0
-    return n / dt, dt
+
+    async def measure() -> float:
+        await gen.generate(prompt, SamplingParams(temperature=1.0, max_tokens=4))
+        t0 = time.perf_counter()
+        outs = await asyncio.gather(*(gen.generate(prompt, params) for _ in range(concurrency)))
+        return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
+
+    return asyncio.run(measure())
 
 
 def start_server(model: str) -> tuple[subprocess.Popen, str]:
@@ -67,29 +75,44 @@ def start_server(model: str) -> tuple[subprocess.Popen, str]:
         time.sleep(0.5)
 
 
+def sweep(label: str, gen, prompt: list[int], args) -> None:
+    base = None
+    for n in args.concurrency:
+        rate = tokens_per_s(gen, prompt, args.tokens, n)
+        base = base or rate
+        print(f"{label:<26} {n:>11} {rate:>10.1f} {rate / base:>12.2f}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", nargs="+", default=["smollm2", "tiny-llama-bytes"])
+    ap.add_argument("--models", nargs="+", default=["smollm2"])
+    ap.add_argument("--backends", nargs="+", default=["hf", "sim"], choices=["hf", "http", "sim"])
+    ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16, 64])
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=4)
+    ap.add_argument("--sim-token-s", type=float, default=0.002)
     args = ap.parse_args()
     print(f"# bench/generation.py  {datetime.datetime.now().isoformat(timespec='seconds')}")
     print(f"# host: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
           f"torch {torch.__version__} ({torch.get_num_threads()} threads), float32, CPU, "
           f"load average {os.getloadavg()[0]:.1f} at start (a shared machine: other jobs compete)")
-    print(f"# {args.repeats} x {args.tokens} tokens per model and backend, T=1.0, no stop token, sequential")
-    print(f"{'model':<18} {'prompt':>6} {'in-process tok/s':>17} {'http tok/s':>11} {'http/in-process':>16}")
+    print(f"# each level: N requests at once, {args.tokens} tokens each, T=1.0, no stop token")
+    print(f"{'backend / model':<26} {'concurrency':>11} {'tokens/s':>10} {'vs N=1':>12}")
     for name in args.models:
-        tokenizer = load_tokenizer(name)
-        prompt = Chat(tokenizer).prompt_ids([{"role": "user", "content": QUESTION}])
-        local, _ = tokens_per_s(HFGenerator(load_model(name), seed=0), prompt, args.tokens, args.repeats)
-        proc, url = start_server(name)
-        try:
-            remote, _ = tokens_per_s(HttpGenerator(url), prompt, args.tokens, args.repeats)
-        finally:
-            proc.terminate()
-            proc.wait(30)
-        print(f"{name:<18} {len(prompt):>6} {local:>17.1f} {remote:>11.1f} {remote / local:>16.3f}", flush=True)
+        prompt = Chat(load_tokenizer(name)).prompt_ids([{"role": "user", "content": QUESTION}])
+        if "hf" in args.backends:
+            gen = HFGenerator(load_model(name), seed=0)
+            sweep(f"hf {name}", gen, prompt, args)
+            gen.close()
+        if "http" in args.backends:
+            proc, url = start_server(name)
+            try:
+                sweep(f"http {name}", HttpGenerator(url), prompt, args)
+            finally:
+                proc.terminate()
+                proc.wait(30)
+    if "sim" in args.backends:
+        sim = SimGenerator(SimConfig(median_tokens=args.tokens, sigma=0.0, token_s=args.sim_token_s))
+        sweep(f"sim {args.sim_token_s * 1e3:g} ms/token", sim, [1, 2, 3], args)
 
 
 if __name__ == "__main__":
