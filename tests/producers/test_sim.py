@@ -47,3 +47,26 @@ def test_a_swap_mid_request_tags_later_tokens_with_the_new_version():
     versions = asyncio.run(swap_during()).versions.tolist()
     assert versions == sorted(versions) and versions[0] == 0 and versions[-1] == 3
     assert 30 <= versions.index(3) <= 70  # the tokens timed after the swap, about half
+
+
+def test_tool_latency_delays_each_continuing_step_off_the_event_loop():
+    """A 3-turn episode has two tool calls; eight such episodes at once overlap their calls."""
+    import random
+
+    from producers.envs import make_env
+    from producers.episode import TrajectoryIds, run_episode
+    from producers.generate.sim import ToolLatency
+
+    env = make_env("toy-multiturn")
+    gen = SimGenerator(SimConfig(median_tokens=4, token_s=0.0))
+    tasks = [env.sample_task(random.Random(i)) for i in range(8)]
+
+    async def eight():
+        return await asyncio.gather(*(run_episode(
+            ToolLatency(env.episode(t), tool_s=0.3), gen, SamplingParams(max_tokens=8),
+            TrajectoryIds(id=f"t{i}", prompt_id=f"p{i}", env=env.name, producer_id="sim")) for i, t in enumerate(tasks)))
+
+    trajs = asyncio.run(eight())
+    for t in trajs:
+        assert t.num_turns >= 2 and t.timing["env_s"] >= 0.3 * (t.num_turns - 1)
+    assert max(t.timing["total_s"] for t in trajs) < sum(t.timing["env_s"] for t in trajs)  # concurrent
