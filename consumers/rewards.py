@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from confluent_kafka import Producer
 
 from schemas import topics as T
+from schemas.config import ConfigError
 from schemas.kafka import KafkaConfig, make_producer, produce
 from schemas.messages import Reward
 
@@ -56,10 +57,10 @@ def publish(trajectory_id: str, reward: float, *, source: str = "python", criter
 
 @dataclass(kw_only=True)
 class PublishConfig:
-    trajectory: str
-    """Id of the trajectory the reward is for (the receipt a producer or `sao serve` handed out)."""
-    reward: float
-    """The reward."""
+    trajectory: str = ""
+    """Id of the trajectory the reward is for (the receipt a producer or `sao serve` handed out); required."""
+    reward: float | None = None
+    """The reward; required."""
     token_index: int | None = None
     """Token index of a per-turn reward (an action token); unset for the outcome reward."""
     source: str = "cli"
@@ -70,6 +71,8 @@ class PublishConfig:
 
 
 def run(cfg: PublishConfig) -> None:
+    if not cfg.trajectory or cfg.reward is None:
+        raise ConfigError("--trajectory and --reward are required")
     msg = publish(cfg.trajectory, cfg.reward, source=cfg.source, criterion=cfg.criterion,
                   token_index=cfg.token_index, kafka=cfg.kafka)
     print(f"published reward {msg.reward} for {msg.trajectory_id} to {cfg.kafka.topic(T.REWARDS)}")

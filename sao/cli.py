@@ -23,18 +23,25 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "feed": ("producers.feeder", "FeedConfig", "publish prompts (JSONL or env generator) with backpressure"),
     "serve": ("producers.serve", "ServeConfig", "completions endpoint over the hf backend, following sao.weights"),
     "learner": ("learner.service", "LearnerConfig", "streaming SAO learner: trajectories in, FSDP2 training, weights out"),
+    "reward-join": ("consumers.joiner", "JoinerConfig", "join pending trajectories with live rewards (faust), publish them"),
+    "reward publish": ("consumers.rewards", "PublishConfig", "publish one reward for a trajectory id"),
+    "reward serve": ("consumers.endpoint", "ServeConfig", "HTTP endpoint POST /rewards (bearer token) onto sao.rewards"),
+    "judge": ("consumers.judge", "JudgeConfig", "score pending trajectories with a judge, publish rewards"),
+    "judge set-criterion": ("consumers.control", "CriterionConfig", "switch the criterion of running judges"),
 }
 
 
 def usage() -> str:
     lines = ["usage: sao <command> [--help] [flags]", "", "commands:"]
-    lines += [f"  {name:<10} {help_}" for name, (_, _, help_) in COMMANDS.items()]
+    lines += [f"  {name:<20} {help_}" for name, (_, _, help_) in COMMANDS.items()]
     lines += ["", "Every flag can also be set as an SAO_* environment variable (see README)."]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if " ".join(argv[:2]) in COMMANDS:  # a two-word command: `sao reward publish`
+        argv = [" ".join(argv[:2]), *argv[2:]]
     if not argv or argv[0] not in COMMANDS:
         print(usage(), file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
         raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)

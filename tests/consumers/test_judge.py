@@ -1,0 +1,96 @@
+"""Judges: the style judge's criteria, the LLM judge's protocol, and `sao judge` on the real broker
+switching criterion by control message and by schedule."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+
+from consumers.control import set_criterion
+from consumers.judge import JudgeConfig, run
+from consumers.judges import STYLES, LLMJudge, load_judge, style
+from consumers.tokenizer import ByteText
+from schemas import topics as T
+from schemas.config import ConfigError
+from tests.consumers.util import pending_trajectory, publish, read_topic
+
+TEXTS = ["HELLO THERE", "hello there", "2024 1999"]
+
+
+def test_the_style_judge_scores_the_same_texts_by_the_criterion_it_is_given():
+    assert [style("", t, "uppercase") for t in TEXTS] == [10 / 11, 0.0, 0.0]
+    assert [style("", t, "lowercase") for t in TEXTS] == [0.0, 10 / 11, 0.0]
+    assert [style("", t, "digits") for t in TEXTS] == [0.0, 0.0, 8 / 9]
+    assert style("", "WOW!!", "exclaim") == 0.4 and style("", "", "uppercase") == 0.0
+    assert style("", "a b c", "concise") > style("", " ".join(["w"] * 20), "concise")
+    assert len(STYLES) >= 3
+    with pytest.raises(ValueError, match="unknown style"):
+        style("", "x", "sarcastic")
+    with pytest.raises(ConfigError):
+        load_judge("llm")
+
+
+def test_the_llm_judge_asks_a_completions_server_with_the_criterion_and_scales_its_rating():
+    seen = []
+
+    class Completions(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append((self.path, ByteText().decode(body["prompt"])))
+            data = json.dumps({"choices": [{"text": " 7 out of 10"}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Completions)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        judge = LLMJudge(f"http://127.0.0.1:{server.server_address[1]}", tokenizer=ByteText())
+        assert judge("Write a haiku.", "old pond, frog", "be formal") == 0.7
+        [(path, prompt)] = seen
+        assert path == "/v1/completions" and "be formal" in prompt and "old pond, frog" in prompt
+    finally:
+        server.shutdown()
+
+
+def _texts(kafka, texts: list[str]) -> list[str]:
+    """Publish one pending trajectory per text, all on one partition so the judge sees them in order."""
+    trajs = [pending_trajectory(f"{t[:5]}-{uuid.uuid4().hex[:6]}", prompt_len=2,
+                                tokens=np.array([ord("?"), ord(" "), *t.encode()])) for t in texts]
+    publish(kafka, T.PENDING, [(b"one-partition", t.encode()) for t in trajs])
+    return [t.id for t in trajs]
+
+
+def _rewards(kafka, ids: list[str]) -> list[tuple[float, str]]:
+    got = {r.trajectory_id: r for r in read_topic(kafka, T.REWARDS, 0, until=lambda rs: set(ids) <=
+                                                  {r.trajectory_id for r in rs})}
+    return [(round(got[i].reward, 3), got[i].criterion) for i in ids]
+
+
+def test_sao_judge_follows_its_schedule_and_the_control_topic(kafka_cfg):
+    stop = threading.Event()
+    cfg = JudgeConfig(criteria=("uppercase", "lowercase"), switch_every=3, log_every_s=0, kafka=kafka_cfg)
+    judge = threading.Thread(target=run, args=(cfg, stop))
+    judge.start()
+    try:
+        first = _texts(kafka_cfg, TEXTS)  # three under uppercase, then the schedule moves on
+        second = _texts(kafka_cfg, TEXTS)
+        assert _rewards(kafka_cfg, first) == [(0.909, "uppercase"), (0.0, "uppercase"), (0.0, "uppercase")]
+        assert _rewards(kafka_cfg, second) == [(0.0, "lowercase"), (0.909, "lowercase"), (0.0, "lowercase")]
+        set_criterion(kafka_cfg, "digits")
+        time.sleep(3)  # the judge reads the control topic between trajectories
+        third = _texts(kafka_cfg, TEXTS)
+        assert _rewards(kafka_cfg, third) == [(0.0, "digits"), (0.0, "digits"), (0.889, "digits")]
+    finally:
+        stop.set()
+        judge.join(30)
