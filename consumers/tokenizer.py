@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from schemas.config import ConfigError
 from schemas.models import check_model, smollm2_gguf
 
 
@@ -24,13 +25,13 @@ class ByteText:
 
 
 def load_tokenizer(name: str, flag: str = "--model"):
-    from transformers import AutoTokenizer  # only judges of real models pay for the import
-
     check_model(name, flag)
     if name == "tiny-llama-bytes":
         return ByteText()
     if name in ("tiny-llama", "tiny-qwen3-moe"):
-        raise ValueError(f"{flag} {name}: raw token ids, no text to judge")
+        raise ConfigError(f"{flag} {name}: raw token ids, no text to judge")
+    from transformers import AutoTokenizer  # only judges of real models pay for the import
+
     path = smollm2_gguf() if name == "smollm2" else Path(name)
     if path.suffix == ".gguf":
         return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
