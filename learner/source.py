@@ -27,12 +27,12 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from confluent_kafka import OFFSET_INVALID, TopicPartition
+from confluent_kafka import OFFSET_INVALID, KafkaException, TopicPartition
 
 from learner.checks import Trainable, untrainable
 from schemas import topics as T
-from schemas.kafka import (KafkaConfig, consumer_error, dead_letter, dead_letter_record, decode_or_dead_letter,
-                           make_consumer, make_producer)
+from schemas.kafka import (FatalKafkaError, KafkaConfig, consumer_error, dead_letter, dead_letter_record,
+                           decode_or_dead_letter, make_consumer, make_producer)
 from schemas.messages import DeadLetter, Limits, Trajectory
 
 log = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ class TrajectorySource:
                 with self._lock:
                     offsets, self._to_commit = self._to_commit, None
                 if offsets:
-                    self.consumer.commit(offsets=offsets, asynchronous=False)
+                    self._commit(offsets)
                 self._watermarks = self._high_watermarks()
                 msg = self.consumer.poll(1.0)
                 if msg is None or consumer_error(msg):
@@ -155,8 +155,14 @@ class TrajectorySource:
         finally:
             with self._lock:  # the last checkpoint's commit may have come after the last poll
                 if self._to_commit:
-                    self.consumer.commit(offsets=self._to_commit, asynchronous=False)
+                    self._commit(self._to_commit)
             self.dlq.flush(10)
+
+    def _commit(self, offsets: list[TopicPartition]) -> None:
+        try:
+            self.consumer.commit(offsets=offsets, asynchronous=False)
+        except KafkaException as e:  # the checkpoint holds the positions: only Kafka's copy lags
+            raise FatalKafkaError(f"Kafka: committing offsets of {self.topic} failed: {e.args[0].str()}") from e
 
     def _check(self, msg) -> Trajectory | None:
         """The trajectory if it decodes and this learner can train it; else None, dead-lettered."""

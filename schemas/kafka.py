@@ -140,7 +140,7 @@ def consumer_error(msg: Message) -> bool:
     if err is None:
         return False
     if err.fatal() or err.code() in _FATAL_CODES:
-        raise FatalKafkaError(f"Kafka: {err.str()} (topic {msg.topic()})")
+        raise FatalKafkaError(f"Kafka: {err.str()}" + (f" (topic {msg.topic()})" if msg.topic() else ""))
     log.warning("consumer: %s", err)
     return True
 

@@ -23,7 +23,8 @@ from tests.learner.service_util import (ROOT, announcements, learner_cmd, metric
 def test_sigkill_three_times_with_three_partitions_and_two_producers_trains_each_once(kafka_bootstrap, tmp_path):
     cfg = KafkaConfig(bootstrap=kafka_bootstrap, topic_prefix=f"eo{time.time_ns()}")
     topic = cfg.topic(T.TRAJECTORIES)
-    AdminClient(cfg.client()).create_topics([NewTopic(topic, 3, 1)])[topic].result(30)
+    admin = AdminClient(cfg.client())  # held: a collected client cancels its futures
+    admin.create_topics([NewTopic(topic, 3, 1)])[topic].result(30)
     ensure_topics(cfg)
     trajs = rollouts(296, seed=17, id_prefix="eo")
 
@@ -57,4 +58,4 @@ def test_sigkill_three_times_with_three_partitions_and_two_producers_trains_each
     assert sorted(collections.Counter(trained.values()).items()) == [(s, 8) for s in range(37)]
     versions = [w.version for w in announcements(cfg)]
     assert sorted(set(versions)) == list(range(38))  # every version published; restarts repeat one
-    AdminClient(cfg.client()).delete_topics([cfg.topic(t) for t in T.ALL])
+    admin.delete_topics([cfg.topic(t) for t in T.ALL], operation_timeout=30)
