@@ -70,7 +70,7 @@ def test_hostile_code_is_reported_and_the_next_prompt_runs(env, code, reported):
     assert "42" in tok.decode(nxt.step(act("```python\nprint(6 * 7)\n```")).observation)
 
 
-def test_eight_episodes_at_once_are_isolated_from_each_other(env):
+def test_eight_episodes_at_once_are_isolated_from_each_other():
     """The producer's concurrency: 8 episodes' tool calls run at the same time (each in its own
     worker thread, as the service runs them); none sees another's files, processes or uid."""
     import asyncio
@@ -82,6 +82,7 @@ def test_eight_episodes_at_once_are_isolated_from_each_other(env):
             "               if os.path.isfile(f) and not f.endswith('.py'))\n"
             "pids = [p for p in os.listdir('/proc') if p.isdigit()]\n"
             "print('found', found, 'pids', len(pids), 'uid', os.getuid())\n")
+    env = make_env("python-tool", tokenizer=tok, sandbox=Sandbox(SandboxConfig(timeout_s=30)), max_turns=3)
     episodes = [env.episode({"question": "q", "answer": i}) for i in range(8)]
 
     async def all_at_once():
