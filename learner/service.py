@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from learner.models import ModelConfig, build_models
+from learner.models import ModelConfig, build_models, build_policy
 from learner.parallel import ParallelConfig, broadcast_bytes, gather_buckets, init_distributed, parameter_specs
 from learner.checks import Trainable
 from learner.failures import StepFailures
@@ -116,8 +116,8 @@ class Learner:
         self.cfg = cfg
         self.rank, self.world, self.device = init_distributed(cfg.parallel.device)
         torch.manual_seed(cfg.seed)
-        self.policy, self.critic = build_models(cfg.model, cfg.update.settings.uses_critic, cfg.parallel,
-                                                self.device)
+        self.policy, self.critic = build_models(build_policy(cfg.model) if self.rank == 0 else None,
+                                                cfg.update.settings.uses_critic, cfg.parallel, self.device)
         self.model_config = self.policy.config
         self.update = SAOUpdate(self.policy, self.critic, cfg.update)
         self.ckpt = Checkpointer(cfg.run_dir / "checkpoints", cfg.checkpoint_every)

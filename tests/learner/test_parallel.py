@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from learner.microbatch import balanced_shares, micro_batches
-from learner.models import ModelConfig, build_models
+from learner.models import ModelConfig, build_models, build_policy
 from learner.parallel import ParallelConfig, gather_buckets, init_distributed
 from learner.store import Checkpointer
 from learner.update import SAOUpdate, UpdateConfig
@@ -36,7 +36,8 @@ def _worker(rank: int, world: int, port: int, out: str, steps: tuple[int, int], 
     _, _, device = init_distributed("cpu")
     cfg = UpdateConfig(algorithm="sao", warmup_steps=0, lr_policy=1e-3, lr_critic=1e-3,
                        micro_batch_tokens=32)
-    policy, critic = build_models(ModelConfig(), cfg.settings.uses_critic, ParallelConfig(), device)
+    source = build_policy(ModelConfig()) if rank == 0 else None
+    policy, critic = build_models(source, cfg.settings.uses_critic, ParallelConfig(), device)
     update = SAOUpdate(policy, critic, cfg)
     ckpt = Checkpointer(Path(out) / "checkpoints")
     if resume:
