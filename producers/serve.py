@@ -31,6 +31,7 @@ from producers.models import load_model, load_tokenizer
 from producers.weights import WeightSubscriber
 from schemas import topics as T
 from schemas.kafka import KafkaConfig, ensure_topics
+from schemas.models import check_model
 from schemas.process import stop_on_signals
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,9 @@ class ServeConfig:
     follow_weights: bool = True
     """Subscribe to sao.weights and swap in new versions."""
     kafka: KafkaConfig = field(default_factory=KafkaConfig)
+
+    def __post_init__(self):
+        check_model(self.model)
 
 
 class BadRequest(ValueError):

@@ -57,6 +57,7 @@ from schemas.kafka import (KafkaConfig, consumer_error, dead_letter, decode_or_d
                            make_consumer, make_producer, produce)
 from schemas.process import stop_on_signals
 from schemas.config import ConfigError
+from schemas.models import check_model
 from schemas.messages import Prompt, SchemaError, Trajectory
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,8 @@ class ProducerConfig:
             raise ConfigError(f"--env {self.env!r}: unknown; known: {sorted(ENVS)}")
         if self.concurrency < 1:
             raise ConfigError(f"--concurrency {self.concurrency}: must be >= 1")
+        if self.backend == "hf":  # the other backends name a model their server or engine knows
+            check_model(self.model)
         if not self.producer_id:
             self.producer_id = f"{socket.gethostname()}-{os.getpid()}"
 
@@ -133,6 +136,9 @@ def make_parts(cfg: ProducerConfig, tokenizer) -> tuple:
     offered = {"tokenizer": lambda: tokenizer, "sandbox": lambda: Sandbox(cfg.sandbox),
                "max_turns": lambda: cfg.max_turns}
     takes = inspect.signature(ENVS[cfg.env]).parameters
+    if "tokenizer" in takes and tokenizer is None:  # else every prompt would be dead-lettered
+        raise ConfigError(f"--env {cfg.env} needs a tokenizer and --model {cfg.model} has none "
+                          "(try tiny-llama-bytes or smollm2)")
     env = make_env(cfg.env, **{k: make() for k, make in offered.items() if k in takes})
     stops = Chat(tokenizer).stop_token_ids() if tokenizer is not None else ()
     return env, SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens, stop_token_ids=stops)
@@ -180,9 +186,9 @@ def run(cfg: ProducerConfig, stop: threading.Event | None = None) -> None:
     from producers.models import load_tokenizer  # torch/transformers only once we run
 
     stop = stop_on_signals(stop)
+    env, params = make_parts(cfg, load_tokenizer(cfg.model))  # a misconfiguration fails before Kafka is asked
     ensure_topics(cfg.kafka)
     generator = make_generator(cfg)
-    env, params = make_parts(cfg, load_tokenizer(cfg.model))
     player = Player(env=env, generator=generator, params=params, producer_id=cfg.producer_id,
                     tool_s=cfg.sim.tool_s if cfg.backend == "sim" else 0.0)
     metrics = ProducerMetrics(cfg.producer_id, cfg.metrics_port, cfg.log_every_s)
