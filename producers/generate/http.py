@@ -175,9 +175,3 @@ class HttpGenerator:
             self._seen = max(self._seen, int(versions.max()))
         return Generation(token_ids=tokens, logprobs=logprobs, versions=versions, finish_reason=finish,
                           timing={"generate_s": time.perf_counter() - start})
-
-    async def aclose(self) -> None:
-        """Close the running loop's client (others close with their loops)."""
-        client = self._clients.pop(asyncio.get_running_loop(), None)
-        if client is not None:
-            await client.aclose()
