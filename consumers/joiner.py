@@ -108,7 +108,7 @@ def make_app(cfg: JoinerConfig, metrics: JoinerMetrics) -> faust.App:
                         payload=event.value or b"")
         await dlq.send(key=event.key, value=dl.encode())
 
-    async def apply(key: bytes, result: join.Result, event: str | None = None) -> None:
+    async def apply(key: bytes, result: join.Result) -> None:
         entry, emit, what = result
         if emit is not None:
             # sent before the table write, so a crash between the two repeats the output (the
@@ -119,7 +119,7 @@ def make_app(cfg: JoinerConfig, metrics: JoinerMetrics) -> faust.App:
         else:
             entries[key] = entry.encode()
         index.update(key, entry)
-        metrics.event(what, latency=join.latency_s(entry) if entry and what in ("joined",) else None)
+        metrics.event(what, latency=join.latency_s(entry) if what == "joined" else None)
 
     @app.agent(pending)
     async def on_pending(stream):

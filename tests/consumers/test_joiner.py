@@ -16,9 +16,11 @@ TIMEOUT = 4.0  # seconds a trajectory or an orphan reward waits
 
 
 @pytest.fixture(scope="module")
-def running(module_kafka):
+def running(module_kafka, tmp_path_factory):
+    """The joiner here keeps its table in RocksDB; the recovery tests use the memory store."""
     proc, port = joiner(module_kafka, "--reward-timeout", str(TIMEOUT), "--orphan-timeout", str(TIMEOUT),
-                        "--on-timeout", "default", "--default-reward", "-1", "--sweep-every", "0.5")
+                        "--on-timeout", "default", "--default-reward", "-1", "--sweep-every", "0.5",
+                        "--store", "rocksdb", "--data-dir", str(tmp_path_factory.mktemp("rocksdb")))
     try:
         wait_until(lambda: proc.ready() or proc.p.poll() is not None, timeout=120)
         assert proc.p.poll() is None, proc.log()

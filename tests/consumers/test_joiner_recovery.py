@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import signal
-import threading
 import time
 import uuid
 
@@ -59,34 +58,31 @@ def test_sigkill_with_100_pending_then_restart_joins_every_one_exactly_once(kafk
         second.stop()
 
 
-def test_two_joiners_one_killed_mid_stream_lose_nothing(kafka_cfg):
+def test_a_joiner_added_and_another_killed_mid_stream_lose_nothing(kafka_cfg):
     ids = [f"s{i}-{uuid.uuid4().hex[:6]}" for i in range(200)]
-    procs = [joiner(kafka_cfg)[0] for _ in range(2)]  # one app id: they share the partitions
-    stop = threading.Event()
+    publisher = RewardPublisher(kafka_cfg)
 
-    def rewards():  # a steady stream for ~6 s, before, during and after the kill
-        publisher = RewardPublisher(kafka_cfg)
-        for n, i in enumerate(ids):
-            publisher.send(Reward(trajectory_id=i, reward=float(n)))
-            if stop.wait(0.03):
-                return
+    def rewards(part: list[str]) -> None:
+        for i in part:
+            publisher.send(Reward(trajectory_id=i, reward=float(ids.index(i))))
         publisher.flush()
 
+    first, _ = joiner(kafka_cfg)
+    procs = [first]
     try:
-        for p in procs:
-            _started(p)
-        wait_until(lambda: all("Worker ready" in "".join(p.lines[-200:]) for p in procs), timeout=60)
+        _started(first)
         publish(kafka_cfg, T.PENDING, [pending_trajectory(i) for i in ids])
-        flow = threading.Thread(target=rewards)
-        flow.start()
-        time.sleep(3)
-        procs[0].stop(signal.SIGKILL)
-        flow.join()
+        rewards(ids[:100])
+        procs.append(joiner(kafka_cfg)[0])  # same app id: it takes over half the partitions
+        _started(procs[1])
+        rewards(ids[100:150])
+        first.stop(signal.SIGKILL)  # its partitions, state and all, move to the second
+        rewards(ids[150:])
         out = read_ids(kafka_cfg, T.TRAJECTORIES, set(ids), timeout=120)
-        got = {m.id for m in out}
-        assert set(ids) <= got, f"lost {len(set(ids) - got)} of {len(ids)}"
+        got = {m.id: m.reward for m in out if m.id in ids}
+        assert set(got) == set(ids), f"lost {len(set(ids) - set(got))} of {len(ids)}"
+        assert all(r == float(ids.index(i)) for i, r in got.items())
         assert procs[1].stop() == 0, procs[1].log()
     finally:
-        stop.set()
         for p in procs:
             p.p.kill()
