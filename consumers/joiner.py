@@ -128,10 +128,12 @@ def make_app(cfg: JoinerConfig, metrics: JoinerMetrics) -> faust.App:
                 traj = decode(event.value or b"")
                 if not isinstance(traj, Trajectory) or traj.reward is not None:
                     raise SchemaError("kind", "expected a trajectory without reward on the pending topic")
+                if event.key != traj.key:  # its reward would land on another partition: never joined
+                    raise SchemaError("key", f"message key {event.key!r} is not the trajectory id {traj.id!r}")
             except SchemaError as e:
                 await dead_letter(event, e)
                 continue
-            key, m = event.key or traj.key, event.message
+            key, m = event.key, event.message
             await apply(key, join.add_trajectory(_get(entries, key), event.value, traj, m.timestamp, time.time(),
                                                  m.partition))
 

@@ -111,14 +111,16 @@ def test_invalid_rewards_and_trajectories_go_to_the_dlq(running):
     off_action = Reward(trajectory_id=tid, reward=1.0, token_index=1).encode()  # a prompt token
     rewarded = pending_trajectory(f"{tid}-r")
     rewarded.reward = 1.0
-    bad = {tid.encode(): [b"\xc1junk", nan, off_action], rewarded.key: [rewarded.encode()]}
+    miskeyed = pending_trajectory(f"{tid}-k").encode()  # its reward would never meet it
+    bad = {tid.encode(): [b"\xc1junk", nan, off_action], rewarded.key: [rewarded.encode()], b"k": [miskeyed]}
     publish(kafka, T.REWARDS, [(tid.encode(), v) for v in bad[tid.encode()]])
-    publish(kafka, T.PENDING, [(rewarded.key, rewarded.encode())])
+    publish(kafka, T.PENDING, [(rewarded.key, rewarded.encode()), (b"k", miskeyed)])
     letters = read_topic(kafka, T.DLQ, 0, until=lambda ds: {v for vs in bad.values() for v in vs}
                          <= {d.payload for d in ds})
     assert all(isinstance(d, DeadLetter) for d in letters)
     errors = {d.payload: d.error for d in letters}
     assert "MessagePack" in errors[b"\xc1junk"] and "finite" in errors[nan]
     assert "token_index" in errors[off_action] and "reward" in errors[rewarded.encode()]
+    assert "key" in errors[miskeyed]
     publish(kafka, T.REWARDS, [Reward(trajectory_id=tid, reward=0.5)])  # the joiner went on
     assert [m.reward for m in _joined(kafka, tid)] == [0.5]
