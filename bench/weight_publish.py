@@ -21,7 +21,6 @@ import uuid
 from pathlib import Path
 
 import numpy as np
-import torch
 from safetensors.torch import save_file
 from transformers import LlamaForCausalLM
 

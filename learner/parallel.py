@@ -27,9 +27,9 @@ from torch.distributed.tensor import DTensor
 class ParallelConfig:
     device: str = "cpu"
     """cpu | cuda (each rank takes cuda:LOCAL_RANK)."""
-    mixed_precision: bool = True
-    """On CUDA: bf16 parameters in forward and backward, fp32 master weights and gradient
-    reduction in FSDP2. CPU ranks always run fp32."""
+    mixed_precision: bool | None = None
+    """bf16 parameters in forward and backward, fp32 master weights and gradient reduction in
+    FSDP2; None: on for cuda, off for cpu."""
     activation_checkpointing: bool = False
     """Recompute each decoder block's activations in backward (GPUs, long sequences)."""
 
@@ -72,8 +72,9 @@ def parallelize(model: nn.Module, cfg: ParallelConfig) -> nn.Module:
     Every unit reduces gradients by sum, not mean: each rank's loss is already divided by the
     step's global token count (learner/microbatch.py).
     """
+    bf16 = cfg.device == "cuda" if cfg.mixed_precision is None else cfg.mixed_precision
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-          if cfg.mixed_precision and cfg.device == "cuda" else MixedPrecisionPolicy())
+          if bf16 else MixedPrecisionPolicy())
     if cfg.activation_checkpointing:
         from torch.distributed._composable import checkpoint
         for block in decoder_blocks(model):

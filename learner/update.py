@@ -22,7 +22,6 @@ staleness filtering (the streaming learner drops stale trajectories before they 
 from __future__ import annotations
 
 import math
-import typing
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -35,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor
 
+from learner.algorithms import Algorithm, AlgorithmSettings, algorithm_settings
 from learner.baselines import RunningMean, group_normalised_advantage
 from learner.dis import (PRESETS, LossAgg, aggregate, dis_policy_loss, k3_kl, ppo_clip_policy_loss,
                          ratio_stats)
@@ -44,51 +44,6 @@ from learner.microbatch import StepPlan, StepStats, plan_step
 from learner.value import (ValueModel, critic_values, explained_variance, freeze_attention, value_loss,
                            value_moments)
 from schemas.messages import Trajectory
-
-Algorithm = Literal["sao", "sao_k1", "sao_full_critic", "grpo", "grpo_dis", "running_mean"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class AlgorithmSettings:
-    """What an algorithm name means for a step (SAO.md §5, §7), resolved once by `algorithm_settings`."""
-
-    advantage: Literal["gae", "group", "running_mean"]
-    """Skip-observation GAE on the critic's values, the group-normalised reward, or the running mean."""
-    policy_loss: Literal["dis", "ppo_clip"]
-    """DIS against π_rollout, or the PPO clip against the learner's weights at batch start."""
-    critic_updates: int
-    """K critic optimizer steps per step; 0: there is no critic."""
-    freeze_critic_attention: bool
-    """Freeze the critic's attention (SAO.md §5)."""
-    warmup_steps: int
-    """Steps at the start that train only the critic."""
-
-    @property
-    def uses_critic(self) -> bool:
-        return self.critic_updates > 0
-
-
-def algorithm_settings(algorithm: Algorithm, critic_updates: int = 2,
-                       warmup_steps: int = 10) -> AlgorithmSettings:
-    """The one place an algorithm name is interpreted (SAO.md §7's table)."""
-    sao = dict(advantage="gae", policy_loss="dis", critic_updates=critic_updates,
-               freeze_critic_attention=True, warmup_steps=warmup_steps)
-    baseline = dict(policy_loss="dis", critic_updates=0, freeze_critic_attention=False, warmup_steps=0)
-    match algorithm:
-        case "sao":
-            return AlgorithmSettings(**sao)
-        case "sao_k1":
-            return AlgorithmSettings(**sao | {"critic_updates": 1})
-        case "sao_full_critic":
-            return AlgorithmSettings(**sao | {"freeze_critic_attention": False})
-        case "grpo":
-            return AlgorithmSettings(advantage="group", **baseline | {"policy_loss": "ppo_clip"})
-        case "grpo_dis":
-            return AlgorithmSettings(advantage="group", **baseline)
-        case "running_mean":
-            return AlgorithmSettings(advantage="running_mean", **baseline)
-    raise ValueError(f"--algorithm {algorithm!r}: expected one of {typing.get_args(Algorithm)}")
-
 
 @dataclass(kw_only=True)
 class UpdateConfig:
@@ -417,5 +372,6 @@ def _mean(x: Tensor, mask: Tensor, plan: StepPlan) -> Tensor:
 
 
 def _adamw(model: nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    # fused: one kernel per parameter group, without the foreach path's parameter-sized temporaries
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
-                             weight_decay=weight_decay)
+                             weight_decay=weight_decay, fused=True)

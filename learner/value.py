@@ -43,9 +43,11 @@ class ValueModel(nn.Module):
     def forward(self, **inputs: Tensor) -> Tensor:
         """Per-position value (…, T) in float32 of the state after reading each token."""
         hidden = self.backbone(**inputs, use_cache=False).last_hidden_state
-        # the head stays fp32 under a bf16 backbone; `[..., 0]` would be a view, which FSDP2
-        # warns about on every step (in-place ops on a root output view skip its hooks)
-        return self.head(hidden.float()).squeeze(-1).clone()
+        # the head computes in fp32 under a bf16 backbone (FSDP2 hands it bf16 parameters);
+        # `[..., 0]` would be a view, which FSDP2 warns about on every step (in-place ops on a
+        # root output view skip its hooks)
+        w, b = self.head.weight, self.head.bias
+        return torch.nn.functional.linear(hidden.float(), w.float(), b.float()).squeeze(-1).clone()
 
 
 def critic_values(critic: ValueModel, batch: Batch, *, packed: bool = False) -> Tensor:

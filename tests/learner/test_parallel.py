@@ -10,6 +10,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import json
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -101,3 +102,24 @@ def test_a_checkpoint_of_two_ranks_resumes_on_one(tmp_path):
     assert [p.name for p in saved] == ["step00000002"]
     resumed, _ = train(tmp_path / "rest", 1, steps=(2, 3), resume=saved[-1])
     assert_same(resumed, whole, 1e-5)
+
+
+def test_bf16_parameters_keep_float32_master_weights_and_train_like_float32():
+    """The CUDA default, here on CPU: bf16 forward and backward (the critic's value head in fp32),
+    fp32 sharded weights, optimizer and published weights."""
+    init_distributed("cpu")
+    try:
+        trajs = _rollouts()[:4]
+        metrics = {}
+        for bf16 in (False, True):
+            source = build_policy(ModelConfig())
+            update = SAOUpdate(*build_models(source, True, ParallelConfig(mixed_precision=bf16), torch.device("cpu")),
+                               UpdateConfig(warmup_steps=0, micro_batch_tokens=32))
+            metrics[bf16] = update.step(trajs)
+            assert {p.dtype for p in update.policy.parameters()} == {torch.float32}
+            assert {t.dtype for b in gather_buckets(update.policy) for _, t in b} == {torch.float32}
+        assert metrics[True]["step/skipped"] == 0
+        for key in ("loss/policy", "loss/value", "dis/kept_frac", "policy/entropy"):
+            assert metrics[True][key] == pytest.approx(metrics[False][key], rel=2e-2, abs=1e-3), key
+    finally:
+        dist.destroy_process_group()

@@ -16,7 +16,8 @@ import torch
 from learner.logprobs import collate, token_rewards
 from learner.microbatch import plan_step
 from learner.models import tiny_llama
-from learner.update import SAOUpdate, UpdateConfig, MicroBatch, algorithm_settings, guarded_step
+from learner.algorithms import algorithm_settings
+from learner.update import MicroBatch, SAOUpdate, UpdateConfig, guarded_step
 from learner.value import ValueModel
 from producers.envs import make_env
 from producers.episode import play_tasks
