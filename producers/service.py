@@ -40,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
 
-from confluent_kafka import KafkaException
+from confluent_kafka import KafkaException, TopicPartition
 
 from producers.envs import ENVS, make_env
 from producers.envs.chat import Chat
@@ -221,6 +221,8 @@ class Service:
         self.metrics, self.sub, self.stop = metrics, sub, stop
         self.offsets = OffsetCommitter(consumer, cfg.kafka.topic(T.PROMPTS))
         self.in_flight: dict[asyncio.Task, int] = {}  # episode -> its prompt's partition
+        self.held: list = []  # messages polled while every slot was busy, taken first
+        self.paused = False
         self.topics = {True: cfg.kafka.topic(T.TRAJECTORIES), False: cfg.kafka.topic(T.PENDING)}
 
     async def run(self) -> int:
@@ -234,10 +236,9 @@ class Service:
             self.metrics.tick(self.player.generator.version, self.sub, len(self.in_flight))
             self.producer.poll(0)  # delivery callbacks resolve the episodes' acks, on this thread
             self._reap()
-            if len(self.in_flight) < self.cfg.concurrency and (msg := self.consumer.poll(0)) is not None:
-                if not consumer_error(msg):
-                    self._take(msg)
-                    taken += 1
+            if (msg := self._next()) is not None:
+                self._take(msg)
+                taken += 1
                 continue  # take the next one at once
             await self._idle()
         while self.in_flight:  # stop: finish what is in flight, then commit it
@@ -246,6 +247,26 @@ class Service:
             self._reap()
         self.offsets.commit(list(self.offsets.positions))
         return taken
+
+    def _next(self):
+        """The next prompt message to take, or None. With every slot busy the partitions are paused
+        but still polled, so a rebalance is answered at once, not when an episode ends; a message
+        that comes anyway (from a partition assigned meanwhile) is held until a slot frees."""
+        full = len(self.in_flight) >= self.cfg.concurrency
+        if full != self.paused and (assigned := self.consumer.assignment()):
+            (self.consumer.pause if full else self.consumer.resume)(assigned)
+            self.paused = full
+        if self.held and not full:
+            return self.held.pop(0)
+        msg = self.consumer.poll(0)
+        if msg is None or consumer_error(msg):
+            return None
+        if full:
+            self.held.append(msg)
+            self.consumer.pause([TopicPartition(msg.topic(), msg.partition())])
+            self.paused = True  # so that a free slot resumes it with the rest
+            return None
+        return msg
 
     async def _idle(self) -> None:
         """Wait up to 10 ms for an episode to finish (the cadence of polls and acks)."""
@@ -288,17 +309,20 @@ class Service:
     def _on_revoke(self, consumer, partitions) -> None:
         """Cancel the revoked partitions' episodes and commit their delivered prefix; the new owner
         replays the rest (runs inside `consumer.poll`, on the loop's thread)."""
-        revoked = {p.partition for p in partitions}
-        for task, partition in self.in_flight.items():
-            if partition in revoked:
-                task.cancel()
+        revoked = self._drop({p.partition for p in partitions})
         self.offsets.commit(revoked)
         self.offsets.forget(revoked)
 
     def _on_lost(self, consumer, partitions) -> None:
         log.warning("lost partitions %s; their episodes in flight are dropped", [p.partition for p in partitions])
-        lost = {p.partition for p in partitions}
-        for task, partition in self.in_flight.items():
-            if partition in lost:
-                task.cancel()
-        self.offsets.forget(lost)
+        self.offsets.forget(self._drop({p.partition for p in partitions}))
+
+    def _drop(self, partitions: set[int]) -> set[int]:
+        """Cancel the episodes and drop the held messages of `partitions`; returns them."""
+        cancelled = [t for t, p in self.in_flight.items() if p in partitions and not t.done()]
+        for task in cancelled:
+            task.cancel()
+        self.held = [m for m in self.held if m.partition() not in partitions]
+        if partitions:
+            log.info("partitions %s given up: %d episodes in flight cancelled", sorted(partitions), len(cancelled))
+        return partitions

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import signal
+import time
 import uuid
 from collections import defaultdict
 
@@ -94,3 +95,27 @@ def test_a_swap_with_16_episodes_in_flight_tags_each_token_with_the_version_that
         before = int((versions == 0).sum())
         ref = full_forward_logprobs(v0, t.tokens[:t.prompt_len + before].tolist(), before, t.temperature)
         np.testing.assert_allclose(logp[:before], ref.numpy(), atol=1e-4)
+
+
+def test_a_member_joining_while_every_slot_is_busy_gets_partitions_at_once(kafka_cfg):
+    """Producer a has every slot on a 100 s episode when b joins. a answers the rebalance while
+    they run (its partitions are paused, not left unpolled): b starts episodes long before any of
+    a's could end, and a gives up the revoked partitions."""
+    slow = ("--backend", "sim", "--env", "toy-target", "--model", "tiny-llama", "--no-follow-weights",
+            "--sim.median-tokens", "1e9", "--sim.sigma", "0", "--sim.token-s", "0.5", "--max-tokens", "200",
+            "--concurrency", "4")
+    publish_prompts(kafka_cfg, make_prompts("toy-target", [{"target": i % 4} for i in range(24)]))
+    a = Proc(kafka_cfg, "a", *slow)
+    b = None
+    try:
+        wait_until(lambda: len(a.started()) == 4, timeout=120)
+        started = time.monotonic()
+        b = Proc(kafka_cfg, "b", *slow)
+        wait_until(lambda: len(b.started()) >= 4, timeout=90)
+        assert time.monotonic() - started < 100  # a's episodes were all still running
+        assert any("given up" in line for line in a.lines)
+        assert read_topic(kafka_cfg, T.TRAJECTORIES, 1, timeout=1) == []
+    finally:
+        for proc in (a, b):
+            if proc is not None:
+                proc.p.kill()
