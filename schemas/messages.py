@@ -9,161 +9,24 @@ raises `SchemaError` naming the offending field. Nothing is ever unpickled.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import msgpack
 import numpy as np
 
+from schemas.fields import (DEFAULT_LIMITS, TOKEN_ARRAYS, Limits, SchemaError, as_le, binary, integer, mapping,
+                            number, optional_integer, required, string, token_array, turn_rewards_field)
+
 SCHEMA_VERSION = 2  # 2: typed per-turn rewards and sampling settings on trajectories
 
-# Per-token arrays and their fixed little-endian dtypes.
-TOKEN_ARRAYS: dict[str, np.dtype] = {
-    "tokens": np.dtype("<i4"),
-    "action_mask": np.dtype("u1"),
-    "rollout_logprobs": np.dtype("<f4"),
-    "versions": np.dtype("<i4"),
-}
-
-
-class SchemaError(ValueError):
-    """The one error type decoding and validation raise; `field` names what was wrong."""
-
-    def __init__(self, field: str, problem: str):
-        super().__init__(f"{field}: {problem}")
-        self.field = field
-        self.problem = problem
-
-
-@dataclass(frozen=True, kw_only=True)
-class Limits:
-    """Bounds on what a decoder accepts, so a few-byte message can never allocate gigabytes."""
-
-    max_message_bytes: int = 64 << 20
-    """Largest encoded message."""
-    max_tokens: int = 1 << 20
-    """Longest trajectory in tokens."""
-    max_str_bytes: int = 1 << 16
-    """Longest string field (ids, errors, uris)."""
-    max_map_entries: int = 256
-    """Most entries in a free-form map (`task`, `timing`, `meta`)."""
-    max_turn_rewards: int = 4096
-    """Most per-turn rewards on one trajectory."""
-
-
-DEFAULT_LIMITS = Limits()
+__all__ = ["DEFAULT_LIMITS", "TOKEN_ARRAYS", "Limits", "SchemaError", "SCHEMA_VERSION", "Prompt", "Trajectory",
+           "Reward", "Weights", "DeadLetter", "KINDS", "Message", "decode"]
 
 
 def _now() -> float:
     return time.time()
-
-
-# ---------------------------------------------------------------------------- field readers
-# Each reader takes the decoded map and a field name, and returns the value or raises SchemaError.
-
-
-def _req(m: dict, name: str) -> Any:
-    if name not in m:
-        raise SchemaError(name, "missing field")
-    return m[name]
-
-
-def _str(m: dict, name: str, limits: Limits) -> str:
-    v = _req(m, name)
-    if not isinstance(v, str):
-        raise SchemaError(name, f"expected str, got {type(v).__name__}")
-    if len(v) > limits.max_str_bytes:
-        raise SchemaError(name, f"string longer than {limits.max_str_bytes}")
-    return v
-
-
-def _int(m: dict, name: str, lo: int | None = None) -> int:
-    v = _req(m, name)
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise SchemaError(name, f"expected int, got {type(v).__name__}")
-    if lo is not None and v < lo:
-        raise SchemaError(name, f"must be >= {lo}, got {v}")
-    return v
-
-
-def _opt_int(m: dict, name: str, lo: int | None = None) -> int | None:
-    return None if _req(m, name) is None else _int(m, name, lo)
-
-
-def _float(m: dict, name: str, *, nullable: bool = False, finite: bool = True) -> float | None:
-    v = _req(m, name)
-    if v is None and nullable:
-        return None
-    if not isinstance(v, (int, float)) or isinstance(v, bool):
-        raise SchemaError(name, f"expected float, got {type(v).__name__}")
-    v = float(v)
-    if finite and not math.isfinite(v):
-        raise SchemaError(name, f"must be finite, got {v}")
-    return v
-
-
-def _map(m: dict, name: str, limits: Limits) -> dict:
-    v = _req(m, name)
-    if not isinstance(v, dict):
-        raise SchemaError(name, f"expected map, got {type(v).__name__}")
-    if len(v) > limits.max_map_entries:
-        raise SchemaError(name, f"more than {limits.max_map_entries} entries")
-    for k in v:
-        if not isinstance(k, str):
-            raise SchemaError(name, "map keys must be str")
-    return v
-
-
-def _bin(m: dict, name: str, limits: Limits) -> bytes:
-    v = _req(m, name)
-    if not isinstance(v, bytes):
-        raise SchemaError(name, f"expected bytes, got {type(v).__name__}")
-    return v
-
-
-def _array(m: dict, name: str, limits: Limits) -> np.ndarray:
-    raw = _bin(m, name, limits)
-    dtype = TOKEN_ARRAYS[name]
-    if len(raw) % dtype.itemsize:
-        raise SchemaError(name, f"{len(raw)} bytes is not a whole number of {dtype} items")
-    n = len(raw) // dtype.itemsize
-    if n > limits.max_tokens:
-        raise SchemaError(name, f"{n} tokens exceeds the limit of {limits.max_tokens}")
-    return np.frombuffer(raw, dtype=dtype)  # a read-only view: no copy
-
-
-def _turn_rewards(m: dict, acted: np.ndarray, limits: Limits) -> list[tuple[int, float]]:
-    """`turn_rewards`: [[token_index, reward], ...], each index on an action token, each reward
-    finite; the learner adds them to the token rewards without looking again (SAO.md §4)."""
-    v = _req(m, "turn_rewards")
-    if not isinstance(v, list):
-        raise SchemaError("turn_rewards", f"expected a list, got {type(v).__name__}")
-    if len(v) > limits.max_turn_rewards:
-        raise SchemaError("turn_rewards", f"more than {limits.max_turn_rewards} entries")
-    out = []
-    for i, pair in enumerate(v):
-        name = f"turn_rewards[{i}]"
-        if not isinstance(pair, list) or len(pair) != 2:
-            raise SchemaError(name, "expected a [token_index, reward] pair")
-        index, reward = _int({name: pair[0]}, name, lo=0), _float({name: pair[1]}, name)
-        if index >= len(acted) or not acted[index]:
-            raise SchemaError(name, f"token index {index} is not an action token")
-        out.append((index, reward))
-    return out
-
-
-def _as_le(a: np.ndarray, name: str) -> np.ndarray:
-    a = np.asarray(a)
-    dtype = TOKEN_ARRAYS[name]
-    if a.ndim != 1:
-        raise SchemaError(name, f"expected a 1-D array, got shape {a.shape}")
-    if a.dtype != dtype:
-        if a.size and not np.can_cast(a.dtype, dtype, casting="same_kind"):
-            raise SchemaError(name, f"cannot store {a.dtype} as {dtype}")
-        a = a.astype(dtype)
-    return a
 
 
 # ---------------------------------------------------------------------------- messages
@@ -225,12 +88,12 @@ class Prompt(_Message):
 
     @classmethod
     def _from_map(cls, m: dict, limits: Limits) -> Prompt:
-        group_size = _int(m, "group_size", lo=1)
-        sample = _int(m, "sample", lo=0)
+        group_size = integer(m, "group_size", lo=1)
+        sample = integer(m, "sample", lo=0)
         if sample >= group_size:
             raise SchemaError("sample", f"{sample} is not below group_size {group_size}")
-        return cls(id=_str(m, "id", limits), env=_str(m, "env", limits), task=_map(m, "task", limits),
-                   created_at=_float(m, "created_at"), attempt=_int(m, "attempt", lo=0),
+        return cls(id=string(m, "id", limits), env=string(m, "env", limits), task=mapping(m, "task", limits),
+                   created_at=number(m, "created_at"), attempt=integer(m, "attempt", lo=0),
                    sample=sample, group_size=group_size)
 
 
@@ -274,7 +137,7 @@ class Trajectory(_Message):
 
     def __post_init__(self):
         for name in TOKEN_ARRAYS:
-            setattr(self, name, _as_le(getattr(self, name), name))
+            setattr(self, name, as_le(getattr(self, name), name))
 
     @property
     def key(self) -> bytes:
@@ -306,12 +169,12 @@ class Trajectory(_Message):
 
     @classmethod
     def _from_map(cls, m: dict, limits: Limits) -> Trajectory:
-        arrays = {name: _array(m, name, limits) for name in TOKEN_ARRAYS}
+        arrays = {name: token_array(m, name, limits) for name in TOKEN_ARRAYS}
         n = len(arrays["tokens"])
         for name, a in arrays.items():
             if len(a) != n:
                 raise SchemaError(name, f"length {len(a)} differs from tokens' {n}")
-        prompt_len = _int(m, "prompt_len", lo=0)
+        prompt_len = integer(m, "prompt_len", lo=0)
         if prompt_len > n:
             raise SchemaError("prompt_len", f"{prompt_len} exceeds the sequence length {n}")
         mask = arrays["action_mask"]
@@ -328,21 +191,21 @@ class Trajectory(_Message):
         versions = arrays["versions"]
         if versions.size and not (((versions >= 0) == acted).all() and versions.min() >= -1):
             raise SchemaError("versions", "must be >= 0 on action tokens and -1 elsewhere")
-        temperature, top_p = _float(m, "temperature"), _float(m, "top_p")
+        temperature, top_p = number(m, "temperature"), number(m, "top_p")
         if not temperature > 0:
             raise SchemaError("temperature", f"must be > 0, got {temperature}")
         if not 0 < top_p <= 1:
             raise SchemaError("top_p", f"must be in (0, 1], got {top_p}")
-        return cls(id=_str(m, "id", limits), prompt_id=_str(m, "prompt_id", limits),
-                   env=_str(m, "env", limits), producer_id=_str(m, "producer_id", limits),
+        return cls(id=string(m, "id", limits), prompt_id=string(m, "prompt_id", limits),
+                   env=string(m, "env", limits), producer_id=string(m, "producer_id", limits),
                    **arrays, prompt_len=prompt_len,
-                   reward=_float(m, "reward", nullable=True),
-                   group=_str(m, "group", limits), group_size=_int(m, "group_size", lo=1),
-                   turn_rewards=_turn_rewards(m, acted, limits),
-                   temperature=temperature, top_p=top_p, top_k=_int(m, "top_k", lo=0),
-                   finish_reason=_str(m, "finish_reason", limits),
-                   num_turns=_int(m, "num_turns", lo=0),
-                   timing=_map(m, "timing", limits), meta=_map(m, "meta", limits))
+                   reward=number(m, "reward", nullable=True),
+                   group=string(m, "group", limits), group_size=integer(m, "group_size", lo=1),
+                   turn_rewards=turn_rewards_field(m, acted, limits),
+                   temperature=temperature, top_p=top_p, top_k=integer(m, "top_k", lo=0),
+                   finish_reason=string(m, "finish_reason", limits),
+                   num_turns=integer(m, "num_turns", lo=0),
+                   timing=mapping(m, "timing", limits), meta=mapping(m, "meta", limits))
 
 
 @dataclass(kw_only=True, eq=False)
@@ -370,10 +233,10 @@ class Reward(_Message):
 
     @classmethod
     def _from_map(cls, m: dict, limits: Limits) -> Reward:
-        return cls(trajectory_id=_str(m, "trajectory_id", limits), reward=_float(m, "reward"),
-                   token_index=_opt_int(m, "token_index", lo=0), source=_str(m, "source", limits),
-                   criterion=_str(m, "criterion", limits),
-                   created_at=_float(m, "created_at"))
+        return cls(trajectory_id=string(m, "trajectory_id", limits), reward=number(m, "reward"),
+                   token_index=optional_integer(m, "token_index", lo=0), source=string(m, "source", limits),
+                   criterion=string(m, "criterion", limits),
+                   created_at=number(m, "created_at"))
 
 
 @dataclass(kw_only=True, eq=False)
@@ -401,15 +264,15 @@ class Weights(_Message):
 
     @classmethod
     def _from_map(cls, m: dict, limits: Limits) -> Weights:
-        sha = _str(m, "sha256", limits)
+        sha = string(m, "sha256", limits)
         if len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
             raise SchemaError("sha256", "expected 64 lowercase hex digits")
-        fmt = _str(m, "format", limits)
+        fmt = string(m, "format", limits)
         if fmt != "safetensors":
             raise SchemaError("format", f"unsupported weight format {fmt!r}")
-        return cls(version=_int(m, "version", lo=0), step=_int(m, "step", lo=0),
-                   uri=_str(m, "uri", limits), sha256=sha, num_bytes=_int(m, "num_bytes", lo=0),
-                   dtype=_str(m, "dtype", limits), format=fmt, created_at=_float(m, "created_at"))
+        return cls(version=integer(m, "version", lo=0), step=integer(m, "step", lo=0),
+                   uri=string(m, "uri", limits), sha256=sha, num_bytes=integer(m, "num_bytes", lo=0),
+                   dtype=string(m, "dtype", limits), format=fmt, created_at=number(m, "created_at"))
 
 
 @dataclass(kw_only=True, eq=False)
@@ -431,10 +294,10 @@ class DeadLetter(_Message):
 
     @classmethod
     def _from_map(cls, m: dict, limits: Limits) -> DeadLetter:
-        return cls(source_topic=_str(m, "source_topic", limits),
-                   partition=_int(m, "partition", lo=-1), offset=_int(m, "offset", lo=-1001),
-                   error=_str(m, "error", limits), payload=_bin(m, "payload", limits),
-                   created_at=_float(m, "created_at"))
+        return cls(source_topic=string(m, "source_topic", limits),
+                   partition=integer(m, "partition", lo=-1), offset=integer(m, "offset", lo=-1001),
+                   error=string(m, "error", limits), payload=binary(m, "payload", limits),
+                   created_at=number(m, "created_at"))
 
 
 KINDS: dict[str, type[_Message]] = {c.kind: c for c in (Prompt, Trajectory, Reward, Weights, DeadLetter)}
@@ -462,10 +325,10 @@ def decode(data: bytes, limits: Limits = DEFAULT_LIMITS) -> Message:
         raise SchemaError("<message>", f"not valid MessagePack ({type(e).__name__}: {e})") from None
     if not isinstance(m, dict):
         raise SchemaError("<message>", f"expected a map, got {type(m).__name__}")
-    v = _int(m, "v")
+    v = integer(m, "v")
     if v != SCHEMA_VERSION:
         raise SchemaError("v", f"unknown schema version {v} (this build reads {SCHEMA_VERSION})")
-    kind = _req(m, "kind")
+    kind = required(m, "kind")
     if kind not in KINDS:
         raise SchemaError("kind", f"unknown message kind {kind!r}")
     cls = KINDS[kind]
