@@ -26,7 +26,8 @@ import numpy as np
 
 from producers.envs.base import Env, Episode
 from producers.generate.base import Generator, SamplingParams
-from schemas.messages import Trajectory
+from producers.generate.sim import ToolLatency
+from schemas.messages import Prompt, SchemaError, Trajectory
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,6 +79,33 @@ async def run_episode(episode: Episode, generator: Generator, params: SamplingPa
                       prompt_len=len(episode.prompt_ids), reward=step.reward, turn_rewards=turn_rewards,
                       temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                       finish_reason=gen.finish_reason, num_turns=turn, timing=timing)
+
+
+@dataclass(kw_only=True)
+class Player:
+    """Plays prompts of one environment on one generator."""
+
+    env: object
+    generator: Generator
+    params: SamplingParams
+    producer_id: str
+    tool_s: float = 0.0  # simulated tool-call time per continuing step (sim backend)
+
+    async def play(self, prompt: Prompt) -> Trajectory:
+        """One episode of `prompt`; SchemaError when its env or task is not one this producer can play."""
+        if prompt.env != self.env.name:
+            raise SchemaError("env", f"this producer plays {self.env.name!r}, not {prompt.env!r}")
+        try:
+            episode = self.env.episode(prompt.task)
+        except SchemaError:
+            raise
+        except (KeyError, TypeError, ValueError, IndexError) as e:  # the env could not read this task
+            raise SchemaError("task", f"{type(e).__name__}: {e}") from e
+        if self.tool_s:
+            episode = ToolLatency(episode, self.tool_s)
+        ids = TrajectoryIds(id=prompt.trajectory_id, prompt_id=prompt.id, env=prompt.env,
+                            producer_id=self.producer_id, group=prompt.group, group_size=prompt.group_size)
+        return await run_episode(episode, self.generator, self.params, ids)
 
 
 def play_tasks(env: Env, generator: Generator, params: SamplingParams, rng: random.Random, *,

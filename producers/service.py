@@ -44,10 +44,10 @@ from confluent_kafka import KafkaException, TopicPartition
 
 from producers.envs import ENVS, make_env
 from producers.envs.chat import Chat
-from producers.episode import TrajectoryIds, run_episode
+from producers.episode import Player
 from producers.generate.base import Generator, SamplingParams
 from producers.generate.http import InvalidGeneration
-from producers.generate.sim import SimConfig, ToolLatency
+from producers.generate.sim import SimConfig
 from producers.metrics import ProducerMetrics
 from producers.offsets import OffsetCommitter
 from producers.sandbox import Sandbox, SandboxConfig
@@ -142,33 +142,6 @@ def make_parts(cfg: ProducerConfig, tokenizer) -> tuple:
     env = make_env(cfg.env, **{k: make() for k, make in offered.items() if k in takes})
     stops = Chat(tokenizer).stop_token_ids() if tokenizer is not None else ()
     return env, SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens, stop_token_ids=stops)
-
-
-@dataclass(kw_only=True)
-class Player:
-    """Plays prompts of one environment on one generator."""
-
-    env: object
-    generator: Generator
-    params: SamplingParams
-    producer_id: str
-    tool_s: float = 0.0  # simulated tool-call time per continuing step (sim backend)
-
-    async def play(self, prompt: Prompt) -> Trajectory:
-        """One episode of `prompt`; SchemaError when its env or task is not one this producer can play."""
-        if prompt.env != self.env.name:
-            raise SchemaError("env", f"this producer plays {self.env.name!r}, not {prompt.env!r}")
-        try:
-            episode = self.env.episode(prompt.task)
-        except SchemaError:
-            raise
-        except (KeyError, TypeError, ValueError, IndexError) as e:  # the env could not read this task
-            raise SchemaError("task", f"{type(e).__name__}: {e}") from e
-        if self.tool_s:
-            episode = ToolLatency(episode, self.tool_s)
-        ids = TrajectoryIds(id=prompt.trajectory_id, prompt_id=prompt.id, env=prompt.env,
-                            producer_id=self.producer_id, group=prompt.group, group_size=prompt.group_size)
-        return await run_episode(episode, self.generator, self.params, ids)
 
 
 async def deliver(producer, topic: str, traj: Trajectory) -> None:
