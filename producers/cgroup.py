@@ -56,11 +56,10 @@ def parents(version: str = "auto") -> tuple[str, dict[str, Path]]:
     if version in ("auto", "v2"):
         for mount, _ in _mounts("cgroup2"):
             base = _under(mount, _own_path(""))
-            offered = set((base / "cgroup.controllers").read_text().split()) if (base / "cgroup.controllers").exists() else set()
-            if set(CONTROLLERS) <= offered and os.access(base, os.W_OK):
+            if _delegates(base):
                 return "v2", {"": base}
         if version == "v2":
-            raise CgroupUnavailable("no cgroup v2 hierarchy offers memory, cpu and pids to this process")
+            raise CgroupUnavailable("no cgroup v2 group of this process delegates memory, cpu and pids")
     found = {}
     for mount, options in _mounts("cgroup"):
         for c in CONTROLLERS:
@@ -70,6 +69,19 @@ def parents(version: str = "auto") -> tuple[str, dict[str, Path]]:
     if missing:
         raise CgroupUnavailable(f"no writable cgroup (v2, or v1 {', '.join(missing)}) for this process")
     return "v1", found
+
+
+def _delegates(base: Path) -> bool:
+    """Whether run groups made under v2 group `base` get memory, cpu and pids: enabled in its
+    `cgroup.subtree_control` already, or enabled now (refused while processes live in `base`
+    itself, v2's no-internal-processes rule)."""
+    control = base / "cgroup.subtree_control"
+    try:
+        if not set(CONTROLLERS) <= set(control.read_text().split()):
+            control.write_text(" ".join(f"+{c}" for c in CONTROLLERS))
+        return set(CONTROLLERS) <= set(control.read_text().split())
+    except OSError:
+        return False
 
 
 @dataclass(kw_only=True)
