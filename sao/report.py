@@ -1,0 +1,97 @@
+"""`sao report RUN_DIR`: the end-of-run report of `sao up`, from what the run left on disk.
+
+Writes `RUN_DIR/report.png` (reward, critic explained variance, DIS kept fraction, staleness,
+learner throughput, consumer lag, one panel each, against the learner step) and `RUN_DIR/summary.txt`
+(steps, wall time, first and last reward, trajectories trained, dead letters, each process's fate
+from `RUN_DIR/processes.json` when `sao up` wrote one), and prints the summary.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import tyro
+
+PANELS = [("reward/mean", "mean reward"), ("value/explained_var", "critic explained variance"),
+          ("dis/kept_frac", "DIS kept fraction"), ("stale/p99", "staleness p99 (versions)"),
+          ("perf/tokens_per_s", "learner tokens/s"), ("kafka/lag", "learner consumer lag")]
+
+
+@dataclass(kw_only=True)
+class ReportConfig:
+    run_dir: tyro.conf.Positional[Path] = Path("runs/up")
+    """The run directory of `sao up` (holds learner/metrics.jsonl)."""
+    window: int = 10
+    """Steps averaged for the first and last reward and the plotted running mean."""
+
+
+def load_steps(run_dir: Path) -> list[dict]:
+    path = run_dir / "learner" / "metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines() if x.endswith("}")] if path.exists() else []
+
+
+def _mean(xs: list[float]) -> float:
+    xs = [x for x in xs if x is not None and not math.isnan(x)]
+    return sum(xs) / len(xs) if xs else math.nan
+
+
+def summary(run_dir: Path, steps: list[dict], window: int) -> str:
+    rewards = [s.get("reward/mean", math.nan) for s in steps]
+    lines = [f"run: {run_dir}", f"learner steps: {len(steps)}"]
+    if steps:
+        lines += [f"weights version: {steps[-1].get('weights/version')}",
+                  f"trajectories trained: {sum(len(s.get('trajectory_ids', ())) for s in steps)}",
+                  f"first reward (mean of steps 1-{min(window, len(steps))}): {_mean(rewards[:window]):+.3f}",
+                  f"last reward (mean of the last {min(window, len(steps))} steps): {_mean(rewards[-window:]):+.3f}",
+                  f"DIS kept fraction, last step: {steps[-1].get('dis/kept_frac', math.nan):.4f}",
+                  f"dead letters counted by the learner: {steps[-1].get('count/dlq', 0)}"]
+    meta = run_dir / "processes.json"
+    if meta.exists():
+        info = json.loads(meta.read_text())
+        if "wall_s" in info:
+            lines.append(f"wall time: {info['wall_s']:.0f} s")
+        for name, p in info.get("processes", {}).items():
+            lines.append(f"process {name}: {p['state']}, {p['restarts']} restart(s)")
+            lines += [f"  {e}" for e in p["events"]]
+    return "\n".join(lines) + "\n"
+
+
+def plot(run_dir: Path, steps: list[dict], window: int) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
+    x = [s["step/index"] for s in steps]
+    for ax, (key, title) in zip(axes.flat, PANELS):
+        y = [s.get(key, math.nan) for s in steps]
+        ax.plot(x, y, lw=1, alpha=0.6 if key == "reward/mean" else 1)
+        if key == "reward/mean" and len(y) >= window:
+            ax.plot(x[window - 1:], [_mean(y[i - window + 1:i + 1]) for i in range(window - 1, len(y))],
+                    lw=2, label=f"running mean ({window})")
+            ax.legend(fontsize=8)
+        ax.set_title(title)
+        ax.set_xlabel("learner step")
+    fig.suptitle(str(run_dir))
+    fig.tight_layout()
+    path = run_dir / "report.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def write(run_dir: Path, window: int = 10) -> str:
+    steps = load_steps(run_dir)
+    text = summary(run_dir, steps, window)
+    (run_dir / "summary.txt").write_text(text)
+    plot(run_dir, steps, window)
+    return text
+
+
+def run(cfg: ReportConfig) -> None:
+    if not (cfg.run_dir / "learner" / "metrics.jsonl").exists():
+        raise SystemExit(f"sao report: {cfg.run_dir} has no learner/metrics.jsonl")
+    print(write(cfg.run_dir, cfg.window), end="")
+    print(f"report: {cfg.run_dir / 'report.png'}, {cfg.run_dir / 'summary.txt'}")

@@ -1,0 +1,141 @@
+"""`sao up` (what `make run` runs): the whole pipeline on this machine with a live dashboard.
+
+Starts Apache Kafka (unless `SAO_KAFKA_BOOTSTRAP` names a cluster), creates the topics, then each
+service as its own process, as they would run on separate machines: the learner, `--producers`
+producers (each serving Prometheus metrics on a free port) and the prompt feeder. A child that
+crashes is reported and restarted, at most `--max-restarts` times each (a producer's prompts go to
+the others meanwhile; the learner resumes from its checkpoint). The run ends when the learner has
+trained `--steps` steps, or on Ctrl-C / SIGTERM; every child is stopped, none is left behind, and
+`report.png` plus `summary.txt` are written to `--run-dir` (`sao report RUN_DIR` redoes them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sao import report
+from sao.broker import BrokerConfig, cluster, free_port
+from sao.dashboard import Dashboard
+from sao.supervisor import Supervisor
+from schemas.kafka import KafkaConfig, ensure_topics
+from schemas.process import stop_on_signals
+
+
+@dataclass(kw_only=True)
+class UpConfig:
+    steps: int = 40
+    """Learner steps before everything stops."""
+    producers: int = 2
+    """Producer processes."""
+    env: str = "math"
+    """Environment the producers play and the feeder samples prompts from."""
+    model: str = "smollm2"
+    """Model of the producers and the learner: smollm2 (SmolLM2-135M-Instruct) | tiny-llama | ..."""
+    batch_trajectories: int = 16
+    """Trajectories per learner step."""
+    group_size: int = 1
+    """Rollouts per prompt the feeder asks for (G >= 2 for the group baselines)."""
+    max_tokens: int = 16
+    """Tokens per model turn."""
+    run_dir: Path = Path("runs/up")
+    """Learner metrics, checkpoints, weights, process logs, report.png and summary.txt."""
+    learner_flags: str = "--update.warmup-steps 2 --update.lr-policy 2e-5 --update.lr-critic 1e-4"
+    """Extra `sao learner` flags, space separated."""
+    producer_flags: str = "--concurrency 8"
+    """Extra `sao producer` flags, space separated."""
+    judge: str = ""
+    """A style for `sao judge` to reward (uppercase, concise, exclaim, ...): starts the judge and the
+    reward joiner, for environments without a reward of their own (`writing`). Empty: none."""
+    max_restarts: int = 3
+    """Restarts of one crashed child before `sao up` gives up."""
+    dashboard: bool = True
+    """Live dashboard when the output is a terminal (else a progress line every 10 s)."""
+    kafka: KafkaConfig = field(default_factory=KafkaConfig)
+    broker: BrokerConfig = field(default_factory=lambda: BrokerConfig(port=0))
+
+
+def _sao(*args: str) -> list[str]:
+    return [sys.executable, "-m", "sao", *args]
+
+
+def commands(cfg: UpConfig, ports: dict[str, int]) -> dict[str, list[str]]:
+    kafka = ["--kafka.bootstrap", cfg.kafka.bootstrap, "--kafka.topic-prefix", cfg.kafka.topic_prefix]
+    cmds = {"learner": _sao("learner", "--run-dir", str(cfg.run_dir / "learner"),
+                            "--weights-dir", str(cfg.run_dir / "weights"), "--model.name", cfg.model,
+                            "--batch-trajectories", str(cfg.batch_trajectories), "--max-steps", str(cfg.steps),
+                            *cfg.learner_flags.split(), *kafka)}
+    for name, port in ports.items():
+        # one seed for all: a tiny model's seed is its initial weights, which must be the learner's
+        cmds[name] = _sao("producer", "--env", cfg.env, "--model", cfg.model, "--seed", "0", "--producer-id", name,
+                          "--max-tokens", str(cfg.max_tokens), "--metrics-port", str(port), "--log-every-s", "10",
+                          *cfg.producer_flags.split(), *kafka)
+    if cfg.judge:  # live rewards: pending trajectories -> judge -> sao.rewards -> joiner -> learner
+        cmds["judge"] = _sao("judge", "--model", cfg.model, "--criteria", cfg.judge, "--log-every-s", "10", *kafka)
+        cmds["reward-join"] = _sao("reward-join", "--data-dir", str(cfg.run_dir / "joiner"), *kafka)
+    cmds["feeder"] = _sao("feed", "--env", cfg.env, "--max-unfinished", str(4 * cfg.batch_trajectories),
+                          "--group-size", str(cfg.group_size), *kafka)
+    return cmds
+
+
+def supervise(cfg: UpConfig, sup: Supervisor, dash: Dashboard, stop) -> str | None:
+    """Poll children and redraw until the learner is done, a child is out of restarts, or `stop`.
+    Returns why the run failed, or None."""
+    live = None
+    if cfg.dashboard and sys.stdout.isatty():
+        from rich.live import Live
+        live = Live(dash.render(), refresh_per_second=2)
+    last_line = 0.0
+    with live or contextlib.nullcontext():
+        while not stop.wait(1.0):
+            events = sup.poll()
+            dash.update(events)
+            if live:
+                live.update(dash.render())
+            else:
+                for e in events:
+                    print(e, flush=True)
+                if time.monotonic() - last_line >= 10:
+                    print(dash.line(), flush=True)
+                    last_line = time.monotonic()
+            if sup.children["learner"].state == "done":
+                return None
+            if failed := [c.name for c in sup.children.values() if c.state == "failed"]:
+                return f"{', '.join(failed)} crashed more than {cfg.max_restarts} times"
+    return None
+
+
+def run_up(cfg: UpConfig) -> None:
+    ensure_topics(cfg.kafka)
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    ports = {f"producer-{i}": free_port() for i in range(cfg.producers)}
+    env = {**os.environ, "SAO_LOG_LEVEL": os.environ.get("SAO_LOG_LEVEL", "INFO"), "PYTHONUNBUFFERED": "1"}
+    sup = Supervisor(commands(cfg, ports), cfg.run_dir / "logs", env, cfg.max_restarts)
+    dash = Dashboard(sup, cfg.run_dir / "learner", ports, cfg.kafka, cfg.steps)
+    stop = stop_on_signals()
+    t0 = time.monotonic()
+    failure = None
+    try:
+        sup.start()
+        print(" ".join(f"{c.name}={c.pid}" for c in sup.children.values()), flush=True)
+        failure = supervise(cfg, sup, dash, stop)
+    finally:
+        sup.stop()
+        dash.close()
+        (cfg.run_dir / "processes.json").write_text(json.dumps(
+            {"wall_s": time.monotonic() - t0, "processes": sup.summary()}, indent=1))
+        if report.load_steps(cfg.run_dir):
+            print(report.write(cfg.run_dir), end="")
+            print(f"report: {cfg.run_dir / 'report.png'}", flush=True)
+    if failure:
+        raise SystemExit(f"sao up: {failure}; logs in {cfg.run_dir / 'logs'}")
+
+
+def run(cfg: UpConfig) -> None:
+    with cluster(cfg.kafka, cfg.broker):
+        run_up(cfg)

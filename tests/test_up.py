@@ -1,0 +1,71 @@
+"""`sao up` on the tiny model: every process starts, a producer SIGKILLed mid-run is reported and
+restarted, weights reach version 5, the report is a real PNG, and SIGTERM leaves no child behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie has exited; only its parent's wait is missing
+    return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+
+
+def _children(pid: int) -> set[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return {int(x) for x in out.split()}
+
+
+def test_up_restarts_a_killed_producer_reports_and_stops_every_child(kafka_cfg, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SAO_LOG_LEVEL": "WARNING",
+           "SAO_KAFKA_BOOTSTRAP": kafka_cfg.bootstrap, "SAO_KAFKA_TOPIC_PREFIX": kafka_cfg.topic_prefix}
+    cmd = [sys.executable, "-m", "sao", "up", "--steps", "1000", "--producers", "2", "--env", "toy-target",
+           "--model", "tiny-llama", "--batch-trajectories", "4", "--max-tokens", "8", "--run-dir", str(tmp_path),
+           "--learner-flags=--update.warmup-steps 1 --update.lr-policy 3e-3 --update.lr-critic 3e-3"]
+    up = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        first = up.stdout.readline()  # "learner=PID producer-0=PID producer-1=PID feeder=PID"
+        pids = dict(x.split("=") for x in first.split())
+        assert set(pids) == {"learner", "producer-0", "producer-1", "feeder"}, first
+        pids = {k: int(v) for k, v in pids.items()}
+        assert all(_alive(p) for p in pids.values())
+        metrics = tmp_path / "learner" / "metrics.jsonl"
+
+        def version() -> int:
+            lines = metrics.read_text().splitlines() if metrics.exists() else []
+            return json.loads(lines[-2])["weights/version"] if len(lines) >= 2 else -1
+
+        deadline = time.monotonic() + 240
+        while version() < 2 and time.monotonic() < deadline:
+            time.sleep(1)
+        assert version() >= 2, "the learner published no weights in 4 minutes"
+        os.kill(pids["producer-0"], signal.SIGKILL)
+        while version() < 5 and time.monotonic() < deadline + 120:
+            time.sleep(1)
+        assert version() >= 5
+        children = _children(up.pid)
+        assert pids["producer-0"] not in children and len(children) == 4, children  # restarted: a new pid
+    finally:
+        up.send_signal(signal.SIGTERM)
+        out, _ = up.communicate(timeout=120)
+    assert up.returncode == 0, out[-3000:]
+    assert "producer-0 crashed (signal SIGKILL); restart 1/3" in out, out[-3000:]
+    assert not [p for p in children | set(pids.values()) if _alive(p)], "a child outlived `sao up`"
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "process producer-0: stopped, 1 restart(s)" in summary, summary
+    assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = subprocess.run([sys.executable, "-m", "sao", "report", str(tmp_path)], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0 and "learner steps:" in report.stdout, report.stderr
