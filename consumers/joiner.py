@@ -79,50 +79,59 @@ class JoinerConfig:
         return self.app_id or f"{self.kafka.topic_prefix}.reward-join"
 
 
-def make_app(cfg: JoinerConfig, metrics: JoinerMetrics) -> faust.App:
-    big = T.MAX_MESSAGE_BYTES + (1 << 20)
-    app = faust.App(
-        cfg.app_name, broker=f"kafka://{cfg.kafka.bootstrap}", store=f"{cfg.store}://",
-        datadir=cfg.data_dir, topic_partitions=T.PENDING.partitions,
-        processing_guarantee="exactly_once" if cfg.exactly_once else "at_least_once",
-        producer_max_request_size=big, consumer_max_fetch_size=big,
-        # a dead member's partitions move on within seconds, not after the 45 s default
-        broker_session_timeout=6.0, broker_heartbeat_interval=0.5,
-        broker_commit_every=100, broker_commit_interval=1.0, web_enabled=False,
-        key_serializer="raw", value_serializer="raw")  # our own codec, on every topic and table
-    raw = dict(key_type=bytes, value_type=bytes)
-    pending = app.topic(cfg.kafka.topic(T.PENDING), **raw)
-    rewards = app.topic(cfg.kafka.topic(T.REWARDS), **raw)
-    ticks = app.topic(cfg.kafka.topic(TICKS), **raw)
-    out = app.topic(cfg.kafka.topic(T.TRAJECTORIES), **raw)
-    dlq = app.topic(cfg.kafka.topic(T.DLQ), **raw)
-    entries = app.Table("entries", partitions=T.PENDING.partitions, extra_topic_configs={"max.message.bytes": str(big)},
-                        **raw)
-    index = Index(cfg.timeouts)
+class Joiner:
+    """The faust app, its topics and table, and what each agent does with an event."""
 
-    async def dead_letter(event, error: Exception) -> None:
+    def __init__(self, cfg: JoinerConfig, metrics: JoinerMetrics):
+        self.cfg, self.metrics = cfg, metrics
+        big = T.MAX_MESSAGE_BYTES + (1 << 20)
+        self.app = app = faust.App(
+            cfg.app_name, broker=f"kafka://{cfg.kafka.bootstrap}", store=f"{cfg.store}://",
+            datadir=cfg.data_dir, topic_partitions=T.PENDING.partitions,
+            processing_guarantee="exactly_once" if cfg.exactly_once else "at_least_once",
+            producer_max_request_size=big, consumer_max_fetch_size=big,
+            # a dead member's partitions move on within seconds, not after the 45 s default
+            broker_session_timeout=6.0, broker_heartbeat_interval=0.5,
+            broker_commit_every=100, broker_commit_interval=1.0, web_enabled=False,
+            key_serializer="raw", value_serializer="raw")  # our own codec, on every topic and table
+        raw = dict(key_type=bytes, value_type=bytes)
+        pending, rewards, self.ticks, self.out, self.dlq = (
+            app.topic(cfg.kafka.topic(t), **raw) for t in (T.PENDING, T.REWARDS, TICKS, T.TRAJECTORIES, T.DLQ))
+        self.entries = app.Table("entries", partitions=T.PENDING.partitions,
+                                 extra_topic_configs={"max.message.bytes": str(big)}, **raw)
+        self.index = Index(cfg.timeouts)
+        app.agent(pending, name="pending")(self.on_pending)
+        app.agent(rewards, name="rewards")(self.on_reward)
+        app.agent(self.ticks, name="ticks")(self.on_tick)
+        app.timer(cfg.sweep_every)(self.tick)
+        app.on_partitions_revoked.connect(self.on_revoked)
+
+    def get(self, key: bytes) -> join.Entry | None:
+        raw = self.entries.get(key)
+        return join.Entry.decode(raw) if raw is not None else None
+
+    async def dead_letter(self, event, error: Exception) -> None:
         m = event.message
         log.warning("dead letter from %s[%d]@%d: %s", m.topic, m.partition, m.offset, error)
-        metrics.event("dlq")
+        self.metrics.event("dlq")
         dl = DeadLetter(source_topic=m.topic, partition=m.partition, offset=m.offset, error=str(error),
                         payload=event.value or b"")
-        await dlq.send(key=event.key, value=dl.encode())
+        await self.dlq.send(key=event.key, value=dl.encode())
 
-    async def apply(key: bytes, result: join.Result) -> None:
+    async def apply(self, key: bytes, result: join.Result) -> None:
         entry, emit, what = result
         if emit is not None:
             # sent before the table write, so a crash between the two repeats the output (the
             # learner drops the repeat) rather than losing it
-            await out.send(key=key, value=emit.encode())
+            await self.out.send(key=key, value=emit.encode())
         if entry is None:
-            entries.pop(key, None)
+            self.entries.pop(key, None)
         else:
-            entries[key] = entry.encode()
-        index.update(key, entry)
-        metrics.event(what, latency=join.latency_s(entry) if what == "joined" else None)
+            self.entries[key] = entry.encode()
+        self.index.update(key, entry)
+        self.metrics.event(what, latency=join.latency_s(entry) if what == "joined" else None)
 
-    @app.agent(pending)
-    async def on_pending(stream):
+    async def on_pending(self, stream) -> None:
         async for event in stream.events():
             try:
                 traj = decode(event.value or b"")
@@ -131,55 +140,45 @@ def make_app(cfg: JoinerConfig, metrics: JoinerMetrics) -> faust.App:
                 if event.key != traj.key:  # its reward would land on another partition: never joined
                     raise SchemaError("key", f"message key {event.key!r} is not the trajectory id {traj.id!r}")
             except SchemaError as e:
-                await dead_letter(event, e)
+                await self.dead_letter(event, e)
                 continue
             key, m = event.key, event.message
-            await apply(key, join.add_trajectory(_get(entries, key), event.value, traj, m.timestamp, time.time(),
-                                                 m.partition))
+            await self.apply(key, join.add_trajectory(self.get(key), event.value, traj, m.timestamp, time.time(),
+                                                      m.partition))
 
-    @app.agent(rewards)
-    async def on_reward(stream):
+    async def on_reward(self, stream) -> None:
         async for event in stream.events():
             key, m = event.key, event.message
             try:
                 reward = Reward.decode(event.value or b"")
                 if key != reward.key:
                     raise SchemaError("key", f"message key {key!r} is not the trajectory id {reward.trajectory_id!r}")
-                result = join.add_reward(_get(entries, key), reward, m.timestamp, time.time(), m.partition)
+                result = join.add_reward(self.get(key), reward, m.timestamp, time.time(), m.partition)
             except SchemaError as e:
-                await dead_letter(event, e)
+                await self.dead_letter(event, e)
                 continue
-            await apply(key, result)
+            await self.apply(key, result)
 
-    @app.agent(ticks)
-    async def on_tick(stream):
+    async def on_tick(self, stream) -> None:
         async for event in stream.events():
             partition = event.message.partition
-            if not index.built(partition):
-                index.rebuild(partition, ((k, join.Entry.decode(v, header_only=True)) for k, v in entries.items()))
+            if not self.index.built(partition):
+                self.index.rebuild(partition, ((k, join.Entry.decode(v, header_only=True))
+                                               for k, v in self.entries.items()))
             now = time.time()
-            for key in index.due(partition, now):
-                entry = _get(entries, key)
+            for key in self.index.due(partition, now):
+                entry = self.get(key)
                 if entry is not None:
-                    await apply(key, join.expire(entry, cfg.timeouts, now))
-            metrics.pending(index.pending())
+                    await self.apply(key, join.expire(entry, self.cfg.timeouts, now))
+            self.metrics.pending(self.index.pending())
 
-    @app.timer(cfg.sweep_every)
-    async def tick():
+    async def tick(self) -> None:
         for p in range(T.PENDING.partitions):
-            await ticks.send(key=b"", value=b"", partition=p)
-        metrics.tick()
+            await self.ticks.send(key=b"", value=b"", partition=p)
+        self.metrics.tick()
 
-    @app.on_partitions_revoked.connect
-    async def on_revoked(app, revoked, **kwargs):
-        index.forget({tp.partition for tp in revoked})
-
-    return app
-
-
-def _get(entries, key: bytes) -> join.Entry | None:
-    raw = entries.get(key)
-    return join.Entry.decode(raw) if raw is not None else None
+    async def on_revoked(self, app, revoked, **kwargs) -> None:
+        self.index.forget({tp.partition for tp in revoked})
 
 
 class Index:
@@ -222,7 +221,7 @@ class Index:
 def run(cfg: JoinerConfig) -> None:
     ensure_topics(cfg.kafka, (T.PENDING, T.REWARDS, T.TRAJECTORIES, T.DLQ, TICKS))
     metrics = JoinerMetrics(port=cfg.metrics_port, log_every_s=cfg.log_every_s)
-    app = make_app(cfg, metrics)
+    app = Joiner(cfg, metrics).app
     try:
         faust.Worker(app, loglevel=logging.getLevelName(logging.getLogger().level), quiet=True).execute_from_commandline()
     finally:
