@@ -43,6 +43,11 @@ class SimConfig:
     """Token ids are drawn from [0, vocab_size); must fit the learner's model."""
 
 
+def output_length(rng: np.random.Generator, cfg: SimConfig, max_tokens: int) -> int:
+    """One turn's length: lognormal(log median, sigma), rounded, in [1, max_tokens]."""
+    return int(min(max(round(rng.lognormal(math.log(cfg.median_tokens), cfg.sigma)), 1), max_tokens))
+
+
 def sim_logprobs(vocab_size: int, temperature: float, stop_token_ids: Sequence[int]) -> np.ndarray:
     """(V,) log-probs of the fixed distribution: log p_i ∝ −log(i + 2) / T, stop tokens removed."""
     logits = -np.log(np.arange(vocab_size) + 2.0) / temperature
@@ -77,8 +82,7 @@ class SimGenerator:
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
         check_request(prompt_ids, params)
         rng = self._rng if params.seed is None else np.random.default_rng(params.seed)
-        draw = rng.lognormal(math.log(self.cfg.median_tokens), self.cfg.sigma)
-        n = int(min(max(round(draw), 1), params.max_tokens))
+        n = output_length(rng, self.cfg, params.max_tokens)
         logp = sim_logprobs(self.cfg.vocab_size, params.temperature, params.stop_token_ids)
         tokens = rng.choice(self.cfg.vocab_size, size=n, p=np.exp(logp))
         start = time.monotonic()
