@@ -9,6 +9,7 @@ import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import httpx
 import numpy as np
 import pytest
 
@@ -18,7 +19,7 @@ from consumers.judges import STYLES, LLMJudge, load_judge, style
 from consumers.tokenizer import ByteText
 from schemas import topics as T
 from schemas.config import ConfigError
-from tests.consumers.util import pending_trajectory, publish, read_topic
+from tests.consumers.util import Service, free_port, pending_trajectory, publish, read_topic, wait_until
 
 TEXTS = ["HELLO THERE", "hello there", "2024 1999"]
 
@@ -94,3 +95,23 @@ def test_sao_judge_follows_its_schedule_and_the_control_topic(kafka_cfg):
     finally:
         stop.set()
         judge.join(30)
+
+
+def test_the_llm_judge_speaks_the_protocol_of_sao_serve(kafka_cfg):
+    port = free_port()
+    server = Service(kafka_cfg, "serve", "--model", "tiny-llama-bytes", "--port", str(port), "--no-follow-weights")
+    try:
+        wait_until(lambda: _answers(f"http://127.0.0.1:{port}/health") or server.p.poll() is not None, timeout=120)
+        assert server.p.poll() is None, server.log()
+        judge = load_judge("llm", llm_url=f"http://127.0.0.1:{port}", tokenizer=ByteText())
+        # a random tiny model rarely answers with a number: the point is that the request is served
+        assert 0.0 <= judge("Write a haiku.", "old pond", "formal") <= 1.0
+    finally:
+        server.stop()
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

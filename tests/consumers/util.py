@@ -59,11 +59,13 @@ class Service:
         return "".join(self.lines[-last:])
 
     def stop(self, sig=signal.SIGTERM, timeout: float = 60) -> int:
+        """The exit status; a process still running after `timeout` is killed (status -9)."""
         self.p.send_signal(sig)
         try:
             return self.p.wait(timeout)
-        finally:
+        except subprocess.TimeoutExpired:
             self.p.kill()
+            return self.p.wait()
 
 
 def free_port() -> int:
