@@ -1,7 +1,7 @@
 """The reward join as pure functions over one table entry per trajectory id (no Kafka, no faust).
 
 An entry holds whatever has arrived for one trajectory id: the pending trajectory's bytes, its
-outcome reward, per-turn rewards, and, once it is closed (joined, timed out or expired), when and
+outcome reward, per-turn rewards, and, once it is closed (joined or timed out), when and
 how, so that a late or repeated reward is recognised and counted rather than joined twice. Each
 function takes the entry (None: nothing seen yet) and returns the new entry (None: forget it), the
 trajectory to emit (or None), and what happened, one word for the metrics.

@@ -56,7 +56,7 @@ class JoinerConfig:
     store: Literal["memory", "rocksdb"] = "memory"
     """Table store: memory (rebuilt from the changelog at start) or rocksdb (on disk in `--data-dir`)."""
     data_dir: str = "runs/reward-join"
-    """Faust's data directory (RocksDB files)."""
+    """Faust's data directory (RocksDB files); one per instance on a host."""
     exactly_once: bool = False
     """Faust's exactly-once processing (Kafka transactions) instead of at-least-once."""
     metrics_port: int = 0
