@@ -70,6 +70,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # the children's RSS tracks live tensors (bench/rss.py)
     full = measure(args, 1 << 30)  # one chunk: every action token's float32 logits at once
     chunked = measure(args, args.chunk_tokens)
     gib = 2 ** 30

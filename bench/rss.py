@@ -17,7 +17,9 @@ def rss() -> int:
 class PeakRSS:
     """`with PeakRSS() as m: ...` then `m.before` and `m.added` (peak minus before), in bytes.
     Freed pages go back to the OS first (`malloc_trim`), so reuse of the allocator's free lists
-    does not hide growth; the peak is sampled every millisecond."""
+    does not hide growth; the peak is sampled every millisecond. Start the process with
+    MALLOC_MMAP_THRESHOLD_=65536 so that glibc maps every tensor on its own and returns it when
+    freed: the resident set then follows the live tensors."""
 
     def __enter__(self) -> PeakRSS:
         ctypes.CDLL("libc.so.6").malloc_trim(0)

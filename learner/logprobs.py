@@ -127,15 +127,18 @@ def target_logprobs(logits: Tensor, targets: Tensor, temperature: float) -> tupl
 
 
 def chunked_target_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float,
-                            chunk_tokens: int) -> tuple[Tensor, Tensor]:
+                            chunk_tokens: int, entropy_grad: bool = False) -> tuple[Tensor, Tensor]:
     """`target_logprobs(hidden @ weightᵀ, targets, T)`, `chunk_tokens` rows at a time.
 
     hidden (A, H), weight (V, H) the LM head, targets (A,) → two (A,). Under autograd each chunk is
     checkpointed: its (chunk, V) float32 logits are recomputed in backward instead of kept, so at
-    most one chunk's logits exist at a time (128 × 8k tokens × 150k vocab would be 630 GB).
+    most one chunk's logits exist at a time (128 × 8k tokens × 150k vocab would be 630 GB). The
+    entropy is detached unless `entropy_grad`: a graph that backward never consumes would keep
+    every chunk's recomputed logits alive until the step ends.
     """
     def chunk(h: Tensor, w: Tensor, t: Tensor) -> tuple[Tensor, Tensor]:
-        return target_logprobs(h @ w.T, t, temperature)
+        logp, entropy = target_logprobs(h @ w.T, t, temperature)
+        return logp, entropy if entropy_grad else entropy.detach()
 
     outs = [checkpoint(chunk, h, weight, t, use_reentrant=False) if torch.is_grad_enabled()
             else chunk(h, weight, t)
@@ -155,14 +158,15 @@ def output_rows(batch: Batch, packed: bool) -> Tensor:
 NO_LOGITS = torch.empty(0, dtype=torch.long)
 
 
-def token_logprobs(model: torch.nn.Module, batch: Batch, *, temperature: float,
-                   packed: bool = False, chunk_tokens: int = 1024) -> tuple[Tensor, Tensor]:
+def token_logprobs(model: torch.nn.Module, batch: Batch, *, temperature: float, packed: bool = False,
+                   chunk_tokens: int = 1024, entropy_grad: bool = False) -> tuple[Tensor, Tensor]:
     """logπ_θ(a_t|s_t) at temperature T and the policy entropy at s_t, both (B, T) float32 and
     zero off action tokens (prompt and observation positions are context only; SAO.md §3, §4).
 
     Computed from the final hidden states, at action tokens only, `chunk_tokens` at a time: the
-    float32 logits of the whole micro-batch never exist. The LM head's weight is read after the
-    forward; under FSDP2 it is the root unit's, which `parallelize` keeps unsharded until backward.
+    float32 logits of the whole micro-batch never exist. The entropy carries a gradient only with
+    `entropy_grad`. The LM head's weight is read after the forward; under FSDP2 it is the root
+    unit's, which `parallelize` keeps unsharded until backward.
     """
     out = model(**model_inputs(batch, packed), use_cache=False, output_hidden_states=True,
                 logits_to_keep=NO_LOGITS.to(batch.tokens.device))
@@ -172,7 +176,7 @@ def token_logprobs(model: torch.nn.Module, batch: Batch, *, temperature: float,
     rows = output_rows(batch, packed)[:, :-1][acted[:, 1:]]  # (A,) the row predicting each action
     weight = model.get_output_embeddings().weight
     logp, entropy = chunked_target_logprobs(hidden[rows], weight, batch.tokens[acted], temperature,
-                                            chunk_tokens)
+                                            chunk_tokens, entropy_grad)
     logp_bt = logp.new_zeros(batch.tokens.shape)
     entropy_bt = entropy.new_zeros(batch.tokens.shape)
     logp_bt[acted], entropy_bt[acted] = logp, entropy  # differentiable scatters

@@ -303,7 +303,8 @@ class SAOUpdate:
             b, mask = mb.batch, mb.batch.action_mask
             with torch.set_grad_enabled(update):
                 logp, entropy = token_logprobs(self.policy, b, temperature=cfg.temperature,
-                                               packed=cfg.packed, chunk_tokens=cfg.logprob_chunk_tokens)
+                                               packed=cfg.packed, chunk_tokens=cfg.logprob_chunk_tokens,
+                                               entropy_grad=bool(cfg.entropy_coef))
                 # policy loss: DIS against π_rollout, or the PPO clip against the batch-start weights
                 if self.settings.policy_loss == "ppo_clip":
                     loss, ppo = ppo_clip_policy_loss(logp, logp.detach(), mb.adv, mask,

@@ -74,12 +74,13 @@ def test_chunked_logprobs_and_entropy_and_their_gradients_equal_the_full_computa
     weight = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(0, 50, (100,))
     full = target_logprobs(hidden @ weight.T, targets, 0.7)
-    part = chunked_target_logprobs(hidden, weight, targets, 0.7, chunk)
+    part = chunked_target_logprobs(hidden, weight, targets, 0.7, chunk, entropy_grad=True)
     for a, b in zip(full, part):
         torch.testing.assert_close(b, a, atol=1e-6, rtol=0)
     grads = [torch.autograd.grad((lp * 1.5 + ent).sum(), (hidden, weight)) for lp, ent in (full, part)]
     for a, b in zip(*grads):
         torch.testing.assert_close(b, a, atol=1e-6, rtol=0)
+    assert not chunked_target_logprobs(hidden, weight, targets, 0.7, chunk)[1].requires_grad
 
 
 def _reference_logprobs(model, tokens, temperature):

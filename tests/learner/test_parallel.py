@@ -123,3 +123,23 @@ def test_bf16_parameters_keep_float32_master_weights_and_train_like_float32():
             assert metrics[True][key] == pytest.approx(metrics[False][key], rel=2e-2, abs=1e-3), key
     finally:
         dist.destroy_process_group()
+
+
+def test_one_fsdp2_rank_trains_exactly_like_the_plain_modules():
+    """The sharded, meta-built path and the plain one agree, LM head included (its weight is read
+    after the forward, outside FSDP2's hooks)."""
+    from learner.models import tiny_llama
+    from learner.value import ValueModel
+    trajs = _rollouts()[:4]
+    cfg = UpdateConfig(warmup_steps=0, lr_policy=1e-3, lr_critic=1e-3, micro_batch_tokens=32)
+    plain = tiny_llama(seed=0)
+    SAOUpdate(plain, ValueModel.from_policy(plain), cfg).step(trajs)
+    init_distributed("cpu")
+    try:
+        update = SAOUpdate(*build_models(tiny_llama(seed=0), True, ParallelConfig(), torch.device("cpu")), cfg)
+        update.step(trajs)
+        sharded = {name: t for bucket in gather_buckets(update.policy) for name, t in bucket}
+    finally:
+        dist.destroy_process_group()
+    assert_same(sharded, plain.state_dict(), 0)
+    assert not torch.equal(plain.lm_head.weight, tiny_llama(seed=0).lm_head.weight)

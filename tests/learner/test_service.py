@@ -17,8 +17,8 @@ from learner.models import tiny_llama
 from schemas import topics as T
 from schemas.kafka import make_consumer
 from schemas.messages import DeadLetter, Weights
-from tests.learner.service_util import (ROOT, announcements, assert_close_state, final_policy, learner_cmd,
-                                        load_weights, metrics, publish, rollouts, run_learner,
+from tests.learner.service_util import (ROOT, announcements, assert_close_state, final_policy,
+                                        latest_checkpoint, learner_cmd, load_weights, metrics, publish, rollouts, run_learner,
                                         trained_ledger)
 
 
@@ -122,6 +122,29 @@ def test_sigkill_three_times_trains_every_trajectory_exactly_once(kafka_bootstra
     assert sorted(sha["killed"]) == list(range(38))
     assert sha["killed"] == sha["clean"] and all(len(s) == 1 for s in sha["clean"].values())
     assert_close_state(final_policy(run_dir), final_policy(runs["clean"][1]), rtol=0)
+
+
+def test_killed_on_two_ranks_resumes_on_one_and_trains_every_trajectory_once(kafka_cfg, tmp_path):
+    """SIGKILL to a 2-rank learner (the whole torchrun group), then a 1-rank learner resumes from
+    its sharded checkpoint: each trajectory in exactly one step, four to a step."""
+    trajs = rollouts(48, seed=13)
+    publish(kafka_cfg, [t.encode() for t in trajs])
+    flags = ("--batch-trajectories", "4", "--max-steps", "12", "--max-staleness", "-1")
+    proc = subprocess.Popen(learner_cmd(kafka_cfg, tmp_path, *flags, nproc=2), cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 180
+    while len(metrics(tmp_path)) < 5 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    shards = sorted(p.name for p in latest_checkpoint(tmp_path).glob("*.distcp"))
+    assert shards == ["__0_0.distcp", "__1_0.distcp"]  # written by both ranks
+    run_learner(learner_cmd(kafka_cfg, tmp_path, *flags))  # one rank, to the end
+    trained = trained_ledger(tmp_path)
+    assert set(trained) == {t.id for t in trajs}
+    assert sorted(collections.Counter(trained.values()).items()) == [(s, 4) for s in range(12)]
+    assert all(trained[i] == m["step/index"] for m in metrics(tmp_path) for i in m["trajectory_ids"])
 
 
 def _raw(traj) -> dict:
