@@ -80,34 +80,39 @@ def plan_step(trajs: Sequence[Trajectory], rank: int, world: int, max_tokens: in
 
 
 class StepStats:
-    """Metric sums over this rank's micro-batches, reduced over ranks when read: one all-reduce for
-    sums (token means arrive already divided by the step's N), one for maxima and minima."""
+    """Metric sums, maxima and minima over this rank's micro-batches, reduced over ranks when read
+    (token means arrive already divided by the step's N, so their sums are the step's means)."""
 
     def __init__(self):
-        self.sums: dict[str, Tensor] = {}
-        self.maxima: dict[str, Tensor] = {}
+        self.tables: dict[dist.ReduceOp, dict[str, Tensor]] = {
+            dist.ReduceOp.SUM: {}, dist.ReduceOp.MAX: {}, dist.ReduceOp.MIN: {}}
+        self.sums = self.tables[dist.ReduceOp.SUM]
 
-    def add(self, values: dict[str, Tensor]) -> None:
-        for k, v in values.items():
-            self.sums[k] = self.sums.get(k, 0.0) + v.detach().float()
-
-    def maximum(self, values: dict[str, Tensor]) -> None:
+    def _fold(self, op: dist.ReduceOp, values: dict[str, Tensor]) -> None:
+        combine = {dist.ReduceOp.SUM: torch.add, dist.ReduceOp.MAX: torch.maximum,
+                   dist.ReduceOp.MIN: torch.minimum}[op]
+        table = self.tables[op]
         for k, v in values.items():
             v = v.detach().float()
-            self.maxima[k] = torch.maximum(self.maxima[k], v) if k in self.maxima else v
+            table[k] = combine(table[k], v) if k in table else v
+
+    def add(self, values: dict[str, Tensor]) -> None:
+        self._fold(dist.ReduceOp.SUM, values)
+
+    def maximum(self, values: dict[str, Tensor]) -> None:
+        self._fold(dist.ReduceOp.MAX, values)
 
     def minimum(self, values: dict[str, Tensor]) -> None:
-        self.maximum({f"-{k}": -v for k, v in values.items()})
+        self._fold(dist.ReduceOp.MIN, values)
 
     def reduce(self) -> dict[str, float]:
-        """The step's values on every rank (a collective, and a host sync)."""
+        """The step's values on every rank: one all-reduce per kind in use, and a host sync."""
         out = {}
-        for table, op in ((self.sums, dist.ReduceOp.SUM), (self.maxima, dist.ReduceOp.MAX)):
+        for op, table in self.tables.items():
             if not table:
                 continue
             flat = torch.stack(list(table.values()))
             if dist.is_available() and dist.is_initialized():
                 dist.all_reduce(flat, op=op)
             out |= dict(zip(table, flat.tolist()))
-        return {(k[1:] if k.startswith("-") else k): (-v if k.startswith("-") else v)
-                for k, v in out.items()}
+        return out
