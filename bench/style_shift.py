@@ -14,7 +14,7 @@ scored it (a shift point is the first step trained mostly under the next criteri
 Prints a table (per method and phase: plateau reward = mean over the phase's last quarter; steps
 from the shift until the 5-step trailing reward recovers 80 % of the previous phase's plateau) and
 writes a PNG of the style shares and rewards with the shift points marked.
-Run: `python bench/style_shift.py [--steps-per-phase 40 --batch 16 --model tiny|smollm2]`.
+Run: `python bench/style_shift.py [--steps-per-phase 80 --batch 16 --model tiny|smollm2]`.
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def plot(curves: dict, styles: list[str], path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--styles", nargs="+", default=["uppercase", "digits", "lowercase"])
-    ap.add_argument("--steps-per-phase", type=int, default=40)
+    ap.add_argument("--steps-per-phase", type=int, default=80)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--lr", type=float, default=3e-3)
