@@ -61,7 +61,8 @@ def start_server(model: str) -> tuple[subprocess.Popen, str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "sao", "serve", "--model", model, "--port", str(port),
-                             "--no-follow-weights"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             "--no-follow-weights"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while True:
@@ -90,7 +91,11 @@ def main() -> None:
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16, 64])
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--sim-token-s", type=float, default=0.002)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads; 1 by default because on a shared machine two intra-op threads "
+                         "wait at every barrier for a core another process holds (measured here: 30x slower)")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     print(f"# bench/generation.py  {datetime.datetime.now().isoformat(timespec='seconds')}")
     print(f"# host: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
           f"torch {torch.__version__} ({torch.get_num_threads()} threads), float32, CPU, "

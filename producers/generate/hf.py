@@ -175,9 +175,12 @@ class HFGenerator:
 
     def _step(self, joining: list[_Request]) -> None:
         """Prefill the joining requests, then one decode step of the whole batch."""
+        by_length: dict[int, list[_Request]] = {}
         for req in joining:
             if not req.future.cancelled():
-                self._prefill(req)
+                by_length.setdefault(len(req.prompt_ids), []).append(req)
+        for group in by_length.values():
+            self._prefill(group)
         self._keep([r for r in self._rows if not r.future.cancelled()])
         if not self._rows:
             return
@@ -200,23 +203,32 @@ class HFGenerator:
             req.finish()
         self._keep([r for r in self._rows if r not in finished])
 
-    def _prefill(self, req: _Request) -> None:
-        """Run the prompt alone, sample its first token, and stack its cache onto the batch."""
-        cache = DynamicCache(config=self.model.config)
-        out = self.model(input_ids=torch.tensor([req.prompt_ids], device=self.device),
-                         past_key_values=cache, use_cache=True)
-        req.cached = len(req.prompt_ids)
-        if req.sample(out.logits[0, -1], self._version):
-            return req.finish()
-        new = [(layer.keys, layer.values) for layer in out.past_key_values.layers]  # (1, H, L, D)
-        if not self._rows:
-            self._rows, self._kv = [req], new
+    def _prefill(self, group: list[_Request]) -> None:
+        """Run prompts of one length together (no padding: each row exactly as alone), sample their
+        first tokens, and stack the caches of those not finished onto the batch."""
+        out = self.model(input_ids=torch.tensor([r.prompt_ids for r in group], device=self.device),
+                         past_key_values=DynamicCache(config=self.model.config), use_cache=True)
+        going = []
+        for i, req in enumerate(group):
+            req.cached = len(req.prompt_ids)
+            if req.sample(out.logits[i, -1], self._version):
+                req.finish()
+            else:
+                going.append(i)
+        if not going:
             return
-        width = max(self._kv[0][0].shape[2], req.cached)
+        index = torch.tensor(going, device=self.device)
+        new = [(layer.keys.index_select(0, index), layer.values.index_select(0, index))
+               for layer in out.past_key_values.layers]  # (G, H, L, D)
+        rows = [group[i] for i in going]
+        if not self._rows:
+            self._rows, self._kv = rows, new
+            return
+        width = max(self._kv[0][0].shape[2], rows[0].cached)
         self._kv = [(torch.cat([_left_pad(k, width), _left_pad(nk, width)]),
                      torch.cat([_left_pad(v, width), _left_pad(nv, width)]))
                     for (k, v), (nk, nv) in zip(self._kv, new)]  # a copy of the batch's cache
-        self._rows.append(req)
+        self._rows += rows
 
     def _keep(self, rows: list[_Request]) -> None:
         """Narrow the batch to `rows` (a subset, in order) and drop padding no row needs."""

@@ -154,7 +154,8 @@ def test_batched_requests_that_join_and_leave_keep_full_forward_log_probs(build)
     handle = model.register_forward_hook(pace)
     futures, requests = [], []
     for i in range(6):
-        prompt = list(range(1, 2 + 3 * i))  # lengths 1, 4, 7, ...: rows need different padding
+        prompt = [(j + i) % 50 + 1 for j in range(1 + 3 * (i // 2))]  # pairs of lengths 1, 4, 7: prefilled
+        # together, while rows of different lengths need different padding
         params = SamplingParams(temperature=0.7 + 0.1 * i, max_tokens=4 + 5 * i, seed=i)
         requests.append((prompt, params))
         futures.append(gen.submit(prompt, params))

@@ -70,3 +70,33 @@ def test_tool_latency_delays_each_continuing_step_off_the_event_loop():
     for t in trajs:
         assert t.num_turns >= 2 and t.timing["env_s"] >= 0.3 * (t.num_turns - 1)
     assert max(t.timing["total_s"] for t in trajs) < sum(t.timing["env_s"] for t in trajs)  # concurrent
+
+
+def test_sim_trajectories_go_through_the_real_producer_kafka_and_learner(kafka_cfg, tmp_path):
+    """`sao producer --backend sim` feeds a real `sao learner`, which trains a step on them
+    (nothing dead-lettered: the tokens, log-probs and settings are ones it accepts)."""
+    import json
+    import subprocess
+    import sys
+
+    from schemas import topics as T
+    from tests.producers.util import REPO, Proc, make_prompts, publish_prompts, read_topic
+
+    publish_prompts(kafka_cfg, make_prompts("toy-target", [{"target": i % 4} for i in range(8)]))
+    env = {"SAO_KAFKA_BOOTSTRAP": kafka_cfg.bootstrap, "SAO_KAFKA_TOPIC_PREFIX": kafka_cfg.topic_prefix,
+           "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    learner = subprocess.Popen([sys.executable, "-m", "sao", "learner", "--run-dir", str(tmp_path / "run"),
+                                "--weights-dir", str(tmp_path / "weights"), "--batch-trajectories", "8",
+                                "--max-steps", "1"], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    producer = Proc(kafka_cfg, "sim", "--backend", "sim", "--env", "toy-target", "--model", "tiny-llama",
+                    "--concurrency", "8", "--sim.median-tokens", "30", "--sim.token-s", "0.001", "--max-tokens", "200")
+    try:
+        assert learner.wait(300) == 0
+    finally:
+        learner.kill()
+        producer.p.kill()
+    [step] = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+              if "perf/step_s" in line]
+    assert step["batch/trajectories"] == 8
+    assert read_topic(kafka_cfg, T.DLQ, 1, timeout=2) == []
