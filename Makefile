@@ -8,7 +8,7 @@ STAMP := $(VENV)/.sao-installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install run test bench broker clean readme image
+.PHONY: install run run-llm test bench broker clean readme image
 
 install: $(STAMP)
 
@@ -33,6 +33,12 @@ $(STAMP): pyproject.toml
 
 run: install
 	$(VENV)/bin/sao up
+
+# the same with SmolLM2-135M-Instruct learning a style from a live judge (slow on CPU: see README)
+run-llm: install
+	$(VENV)/bin/sao up --model smollm2 --env writing --judge concise --producers 1 --batch-trajectories 8 \
+	  --max-tokens 24 --steps 30 --run-dir runs/up-smollm2 \
+	  --learner-flags="--update.warmup-steps 1 --update.lr-policy 3e-5 --update.lr-critic 1e-4"
 
 # the README's configuration reference, regenerated from the config dataclasses
 readme: install

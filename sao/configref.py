@@ -4,8 +4,8 @@ subcommand (field, flag, `SAO_*` variable, default, the field's docstring).
     python -m sao.configref            # rewrite the section of README.md between the markers
     python -m sao.configref --check    # exit 1 if README.md differs (tests/test_readme.py)
 
-Defaults are the instance's values, except where the source computes one per machine or process
-(a home folder, a host name, the environment): there the source expression is shown.
+Defaults are the fields' own, except where the source computes one per machine or process (a home
+folder, the environment): there the source expression is shown.
 """
 
 from __future__ import annotations
@@ -53,42 +53,48 @@ def _default(value, default_src: str | None) -> str:
     return f"`{value!r}`" if not isinstance(value, str) else (f"`{value}`" if value else '`""`')
 
 
-def rows(cls: type, instance, prefix: str = "") -> list[str]:
+def _value(f: dataclasses.Field, instance):
+    """The default: the field's own (never an instance's, whose __post_init__ may fill in
+    per-process values), or the instance's where a parent's factory built a different one."""
+    if instance is not None:
+        return getattr(instance, f.name)
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
+def rows(cls: type, instance=None, prefix: str = "") -> list[str]:
     """One markdown table row per leaf field; KafkaConfig is documented once, on its own."""
     from schemas.kafka import KafkaConfig
 
     hints = typing.get_type_hints(cls, include_extras=True)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
     out = []
     for name, (ann, default_src, doc) in _class_fields(cls).items():
-        value = getattr(instance, name, None)
-        path = f"{prefix}{name}"
+        f, path = fields[name], f"{prefix}{name}"
         if dataclasses.is_dataclass(hints[name]):
             if hints[name] is KafkaConfig:
                 out.append(f"| `--{path}.*` | `SAO_{path.upper()}_*` | | see *Kafka (every service)* |")
-            else:
-                out += rows(hints[name], value, path + ".")
+            else:  # a factory other than the class itself sets its own defaults (BrokerConfig(port=0))
+                own = f.default_factory is hints[name] and instance is None
+                out += rows(hints[name], None if own else _value(f, instance), path + ".")
             continue
         flag = path.upper() if "Positional" in ann else f"--{path.replace('_', '-')}"
         env = f"SAO_{path.replace('.', '_').upper()}"
         doc = doc.replace("|", "\\|")
-        out.append(f"| `{flag}` | `{env}` | {_default(value, default_src)} | {doc} |")
+        out.append(f"| `{flag}` | `{env}` | {_default(_value(f, instance), default_src)} | {doc} |")
     return out
 
 
-def _table(cls: type, instance, prefix: str = "") -> list[str]:
+def _table(cls: type, instance=None, prefix: str = "") -> list[str]:
     return ["| flag | variable | default | meaning |", "| --- | --- | --- | --- |", *rows(cls, instance, prefix)]
 
 
 def reference() -> str:
     from schemas.kafka import KafkaConfig
 
-    parts = [START, "", "#### Kafka (every service)", "", *_table(KafkaConfig, KafkaConfig(settings={}), "kafka."), ""]
+    parts = [START, "", "#### Kafka (every service)", "", *_table(KafkaConfig, None, "kafka."), ""]
     for command, (module_name, config_name, help_) in COMMANDS.items():
         cls = getattr(importlib.import_module(module_name), config_name)
-        required = [f.name for f in dataclasses.fields(cls)
-                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-        instance = cls(**{n: Path("RUN_DIR") for n in required})
-        parts += [f"#### `sao {command}`", "", help_, "", *_table(cls, instance), ""]
+        parts += [f"#### `sao {command}`", "", help_, "", *_table(cls), ""]
     return "\n".join([*parts, END])
 
 

@@ -118,10 +118,10 @@ class Dashboard:
         t.add_row("learner", f"{f('perf/tokens_per_s', '.0f')} tok/s, consumer lag {f('kafka/lag', 'd')}")
         t.add_row("dead letters", str(self.dlq))
         for name, (_, _, rate) in sorted(self.rates.items()):
-            t.add_row(name, f"{rate:.2f} traj/s, weights v{self.versions.get(name, math.nan):.0f}")
+            t.add_row(f"{name} (producer)", f"{rate:.2f} traj/s, weights v{self.versions.get(name, math.nan):.0f}")
         for c in self.sup.children.values():
             extra = f", {c.restarts} restart(s)" if c.restarts else ""
-            t.add_row(f"[{c.name}]", f"{c.state} (pid {c.pid}){extra}")
+            t.add_row(f"process {c.name}", f"{c.state} (pid {c.pid}){extra}")
         for e in self.events:
             t.add_row("event", e, style="yellow")
         return t

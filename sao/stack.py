@@ -17,18 +17,8 @@ from sao import up
 
 @dataclass(kw_only=True)
 class StackConfig(up.UpConfig):
-    steps: int = 150
-    """Learner steps before the stack stops."""
-    env: str = "toy-target"
-    """Environment the producers play and the feeder generates prompts for."""
-    model: str = "tiny-llama"
-    """Model of the producers and the learner (tiny-llama runs anywhere in seconds)."""
-    max_tokens: int = 8
-    """Tokens per model turn."""
     run_dir: Path = Path("runs/stack")
     """Learner metrics, checkpoints, weights, logs and the plot."""
-    learner_flags: str = "--update.warmup-steps 5 --update.lr-policy 3e-3 --update.lr-critic 3e-3"
-    """Extra `sao learner` flags, space separated."""
     dashboard: bool = False
     """Live dashboard when the output is a terminal (else a progress line every 10 s)."""
 

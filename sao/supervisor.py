@@ -34,16 +34,19 @@ class Child:
 
 
 class Supervisor:
-    def __init__(self, cmds: dict[str, list[str]], log_dir: Path, env: dict[str, str], max_restarts: int = 3):
+    def __init__(self, cmds: dict[str, list[str]], log_dir: Path, env: dict[str, str], max_restarts: int = 3,
+                 child_env: dict[str, dict[str, str]] | None = None):
         log_dir.mkdir(parents=True, exist_ok=True)
         self.children = {name: Child(name, cmd, log_dir / f"{name}.log") for name, cmd in cmds.items()}
         self.env = env
+        self.child_env = child_env or {}
         self.max_restarts = max_restarts
 
     def _start(self, c: Child) -> None:
         with open(c.log, "ab") as out:
             c.proc = subprocess.Popen(c.cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                      env=self.env, preexec_fn=die_with_parent)
+                                      env={**self.env, **self.child_env.get(c.name, {})},
+                                      preexec_fn=die_with_parent)
         c.state = "running"
 
     def start(self) -> None:

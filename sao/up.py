@@ -29,29 +29,32 @@ from schemas.process import stop_on_signals
 
 @dataclass(kw_only=True)
 class UpConfig:
-    steps: int = 40
+    steps: int = 150
     """Learner steps before everything stops."""
     producers: int = 2
     """Producer processes."""
-    env: str = "math"
+    env: str = "toy-target"
     """Environment the producers play and the feeder samples prompts from."""
-    model: str = "smollm2"
-    """Model of the producers and the learner: smollm2 (SmolLM2-135M-Instruct) | tiny-llama | ..."""
+    model: str = "tiny-llama"
+    """Model of the producers and the learner: tiny-llama (random, learns toy-target in minutes on
+    2 cores) | smollm2 (SmolLM2-135M-Instruct; too slow to show learning in 10 CPU minutes, README)."""
     batch_trajectories: int = 16
     """Trajectories per learner step."""
     group_size: int = 1
     """Rollouts per prompt the feeder asks for (G >= 2 for the group baselines)."""
-    max_tokens: int = 16
+    max_tokens: int = 8
     """Tokens per model turn."""
     run_dir: Path = Path("runs/up")
     """Learner metrics, checkpoints, weights, process logs, report.png and summary.txt."""
-    learner_flags: str = "--update.warmup-steps 2 --update.lr-policy 2e-5 --update.lr-critic 1e-4"
+    learner_flags: str = "--update.warmup-steps 5 --update.lr-policy 3e-3 --update.lr-critic 3e-3"
     """Extra `sao learner` flags, space separated."""
     producer_flags: str = "--concurrency 8"
     """Extra `sao producer` flags, space separated."""
     judge: str = ""
     """A style for `sao judge` to reward (uppercase, concise, exclaim, ...): starts the judge and the
     reward joiner, for environments without a reward of their own (`writing`). Empty: none."""
+    learner_threads: int = 2
+    """Torch threads of the learner (every other process gets one)."""
     max_restarts: int = 3
     """Restarts of one crashed child before `sao up` gives up."""
     dashboard: bool = True
@@ -114,8 +117,11 @@ def run_up(cfg: UpConfig) -> None:
     ensure_topics(cfg.kafka)
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     ports = {f"producer-{i}": free_port() for i in range(cfg.producers)}
-    env = {**os.environ, "SAO_LOG_LEVEL": os.environ.get("SAO_LOG_LEVEL", "INFO"), "PYTHONUNBUFFERED": "1"}
-    sup = Supervisor(commands(cfg, ports), cfg.run_dir / "logs", env, cfg.max_restarts)
+    # one thread per process unless told otherwise: N processes each taking every core thrash
+    env = {"OMP_NUM_THREADS": "1", **os.environ, "SAO_LOG_LEVEL": os.environ.get("SAO_LOG_LEVEL", "INFO"),
+           "PYTHONUNBUFFERED": "1"}
+    sup = Supervisor(commands(cfg, ports), cfg.run_dir / "logs", env, cfg.max_restarts,
+                     {"learner": {"OMP_NUM_THREADS": str(cfg.learner_threads)}})
     dash = Dashboard(sup, cfg.run_dir / "learner", ports, cfg.kafka, cfg.steps)
     stop = stop_on_signals()
     t0 = time.monotonic()
