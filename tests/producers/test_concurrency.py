@@ -16,9 +16,8 @@ from confluent_kafka import TopicPartition
 from producers.models import load_model
 from schemas import topics as T
 from schemas.kafka import make_consumer
-from tests.producers.test_hf_generator import full_forward_logprobs
-from tests.producers.util import (Proc, announcement, make_prompts, publish, publish_prompts, read_topic,
-                                  wait_until, write_weights)
+from tests.producers.util import (Proc, announcement, full_forward_logprobs, make_prompts, publish,
+                                  publish_prompts, read_topic, wait_until, write_weights)
 
 SIM = ("--backend", "sim", "--env", "toy-target", "--model", "tiny-llama", "--no-follow-weights",
        "--sim.median-tokens", "20", "--sim.sigma", "1.0", "--sim.token-s", "0.02", "--max-tokens", "200")

@@ -15,16 +15,9 @@ from safetensors.torch import save_file
 from learner.models import tiny_llama, tiny_qwen3_moe
 from producers.generate.base import SamplingParams
 from producers.generate.hf import HFGenerator, truncate
+from tests.producers.util import full_forward_logprobs
 
 PROMPT = [1, 5, 9]
-
-
-def full_forward_logprobs(model, tokens, n_new, temperature):
-    """log_softmax(logits / T) of each generated token, from one uncached forward."""
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([tokens])).logits[0].float()
-    steps = logits[len(tokens) - n_new - 1:-1] / temperature
-    return torch.log_softmax(steps, -1).gather(-1, torch.tensor(tokens[-n_new:])[:, None])[:, 0]
 
 
 @pytest.mark.parametrize("build", [tiny_llama, tiny_qwen3_moe])

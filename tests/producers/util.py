@@ -35,6 +35,14 @@ def announcement(path: Path, version: int, *, sha256: str | None = None) -> Weig
                    sha256=sha256 or hashlib.sha256(data).hexdigest(), num_bytes=len(data))
 
 
+def full_forward_logprobs(model, tokens, n_new, temperature):
+    """log_softmax(logits / T) of each generated token, from one uncached forward."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([tokens])).logits[0].float()
+    steps = logits[len(tokens) - n_new - 1:-1] / temperature
+    return torch.log_softmax(steps, -1).gather(-1, torch.tensor(tokens[-n_new:])[:, None])[:, 0]
+
+
 def publish(kafka: KafkaConfig, w: Weights | bytes) -> float:
     """Announce on the weights topic; returns the time it was acknowledged."""
     producer = make_producer(kafka)
