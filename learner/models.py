@@ -115,7 +115,8 @@ def build_policy(cfg: ModelConfig) -> torch.nn.Module:
     path = smollm2_gguf() if cfg.name == "smollm2" else Path(cfg.name)
     if path.suffix == ".gguf":
         return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    # a transformers folder, or a hub id resolved in the local cache: never a download
+    return AutoModelForCausalLM.from_pretrained(cfg.name, dtype=torch.float32, local_files_only=True)
 
 
 def build_models(source: nn.Module | None, with_critic: bool, parallel: ParallelConfig,

@@ -31,3 +31,12 @@ def test_vocab_and_size_are_settable():
     model = TINY_MODELS["qwen3_moe"](vocab_size=96, hidden_size=48, num_experts=8)
     assert model.config.vocab_size == 96 and model.config.num_experts == 8
     assert model(input_ids=torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, 96)
+
+
+def test_a_transformers_folder_builds_the_policy_with_its_weights(tmp_path):
+    from learner.models import ModelConfig, build_policy
+    source = TINY_MODELS["qwen3_moe"](seed=3)
+    source.save_pretrained(tmp_path)
+    policy = build_policy(ModelConfig(name=str(tmp_path)))
+    assert type(policy) is type(source)
+    assert all(torch.equal(p, q) for p, q in zip(policy.state_dict().values(), source.state_dict().values()))
