@@ -159,10 +159,10 @@ def guarded_step(model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_no
     return stepped, grad_norm.item()
 
 
-def step_is_finite(trajs: Sequence[Trajectory], returns: np.ndarray) -> bool:
+def step_is_finite(trajs: Sequence[Trajectory], totals: np.ndarray) -> bool:
     """Every trajectory's total reward and every action token's rollout log-prob is finite. Every
     rank holds the whole step, so every rank reaches the same answer without a collective."""
-    return bool(np.isfinite(returns).all()) and all(
+    return bool(np.isfinite(totals).all()) and all(
         np.isfinite(t.rollout_logprobs[t.action_mask.astype(bool)]).all() for t in trajs)
 
 
@@ -209,18 +209,18 @@ class SAOUpdate:
         """One learner step on a batch of scored trajectories; returns namespaced metrics."""
         cfg = self.cfg
         index, self.step_count = self.step_count, self.step_count + 1
-        returns = np.array([token_rewards(t).sum() for t in trajs])  # outcome plus per-turn rewards
-        metrics = {"step/index": index, "reward/mean": float(returns.mean()), "step/skipped": 0,
+        totals = np.array([token_rewards(t).sum() for t in trajs])  # (B,) outcome plus per-turn rewards
+        metrics = {"step/index": index, "reward/mean": float(totals.mean()), "step/skipped": 0,
                    "step/policy_updated": 0, "step/critic_updates": 0}
         # 1. a NaN reward or a non-finite rollout log-prob poisons everything computed from it
-        if not step_is_finite(trajs, returns):
+        if not step_is_finite(trajs, totals):
             return metrics | {"step/skipped": 1}
         plan = plan_step(trajs, self.rank, self.world, cfg.micro_batch_tokens, cfg.packed)
         self.rank_tokens += plan.rank_tokens
         mbs = [self._micro_batch(trajs, rows) for rows in plan.micro_batches]
         metrics |= {"perf/micro_batches": len(mbs), "perf/rank_tokens": plan.rank_tokens}
         # 2. advantages and critic targets, once, before any update
-        metrics |= self.advantages(mbs, torch.tensor(returns, dtype=torch.float32), trajs, plan)
+        metrics |= self.advantages(mbs, torch.tensor(totals, dtype=torch.float32), trajs, plan)
         # 3. K critic steps on the same micro-batches
         critic_ok = True
         if self.critic is not None:
@@ -242,18 +242,18 @@ class SAOUpdate:
         return MicroBatch(batch=batch, rows=rows)
 
     @torch.no_grad()
-    def advantages(self, mbs: list[MicroBatch], returns: Tensor, trajs: list[Trajectory],
+    def advantages(self, mbs: list[MicroBatch], totals: Tensor, trajs: list[Trajectory],
                    plan: StepPlan) -> dict[str, float]:
         """Set each micro-batch's `adv` (and with a critic `returns`, `values`); returns the step's
-        advantage and value metrics. `returns`: (B,) every trajectory's total reward."""
+        advantage and value metrics. `totals`: (B,) every trajectory's total reward."""
         cfg, stats = self.cfg, StepStats()
         if self.settings.advantage == "group":
-            seq_adv = group_normalised_advantage(returns, [t.group or t.prompt_id for t in trajs])
+            seq_adv = group_normalised_advantage(totals, [t.group or t.prompt_id for t in trajs])
         elif self.settings.advantage == "running_mean":
-            seq_adv = self.running_mean.advantage(returns, [t.prompt_id for t in trajs])
+            seq_adv = self.running_mean.advantage(totals, [t.prompt_id for t in trajs])
         for mb in mbs:
             b, mask = mb.batch, mb.batch.action_mask
-            if self.critic is not None:
+            if self.settings.advantage == "gae":
                 mb.values = critic_values(self.critic, b, packed=cfg.packed)
                 lam = adaptive_lambda(b.response_len, cfg.alpha)  # (b,)
                 mb.adv, _ = skip_observation_gae(b.rewards, mb.values, mask, cfg.gamma, lam)
@@ -270,7 +270,7 @@ class SAOUpdate:
             for mb in mbs:
                 mb.adv = whiten(mb.adv, mb.batch.action_mask, step["adv/mean"], std)
         metrics = {k: step[k] for k in ("adv/mean", "adv/abs_mean")}
-        if self.critic is not None:
+        if self.settings.advantage == "gae":
             metrics |= {"value/mean": step["value/mean"], "value/explained_var": explained_variance(step)}
         return metrics
 
