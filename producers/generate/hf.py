@@ -104,7 +104,8 @@ class HFGenerator:
         self._rows: list[_Request] = []  # the running batch, one row each
         self._kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer, (B, H, P, D) left-padded
         self._closed = False
-        threading.Thread(target=self._engine, name="hf-engine", daemon=True).start()
+        self._thread = threading.Thread(target=self._engine, name="hf-engine", daemon=True)
+        self._thread.start()
 
     @property
     def version(self) -> int:
@@ -150,9 +151,11 @@ class HFGenerator:
         return await asyncio.wrap_future(self.submit(prompt_ids, params))
 
     def close(self) -> None:
+        """Stop the engine after its current step (requests still waiting are never answered)."""
         with self._wake:
             self._closed = True
             self._wake.notify()
+        self._thread.join()
 
     def _engine(self) -> None:
         while True:
