@@ -67,7 +67,7 @@ def write_safetensors(f: BinaryIO, specs: dict[str, tuple[torch.dtype, tuple[int
         for name, t in bucket:
             if name != next(names):
                 raise ValueError(f"tensor {name!r} arrived out of the header's order")
-            f.write(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+            f.write(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())  # no copy
 
 
 class WeightStore:
