@@ -37,13 +37,14 @@ class ParallelConfig:
 def init_distributed(device: str) -> tuple[int, int, torch.device]:
     """(rank, world_size, device); starts a single-process group when not launched by torchrun."""
     if not dist.is_initialized():
-        if "RANK" not in os.environ:
+        backend = "nccl" if device == "cuda" else "gloo"
+        if "RANK" in os.environ:  # torchrun's
+            dist.init_process_group(backend)
+        else:  # a group of one; the environment stays as it was, for any child process
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
-            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(port))
-        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     rank, world = dist.get_rank(), dist.get_world_size()
     if device == "cuda":
         local = int(os.environ.get("LOCAL_RANK", 0))

@@ -133,13 +133,16 @@ def test_one_fsdp2_rank_trains_exactly_like_the_plain_modules():
     trajs = _rollouts()[:4]
     cfg = UpdateConfig(warmup_steps=0, lr_policy=1e-3, lr_critic=1e-3, micro_batch_tokens=32)
     plain = tiny_llama(seed=0)
-    SAOUpdate(plain, ValueModel.from_policy(plain), cfg).step(trajs)
+    plain_critic = ValueModel.from_policy(plain)
+    SAOUpdate(plain, plain_critic, cfg).step(trajs)
     init_distributed("cpu")
     try:
         update = SAOUpdate(*build_models(tiny_llama(seed=0), True, ParallelConfig(), torch.device("cpu")), cfg)
         update.step(trajs)
-        sharded = {name: t for bucket in gather_buckets(update.policy) for name, t in bucket}
+        policy, critic = ({name: t for bucket in gather_buckets(model) for name, t in bucket}
+                          for model in (update.policy, update.critic))
     finally:
         dist.destroy_process_group()
-    assert_same(sharded, plain.state_dict(), 0)
+    assert_same(policy, plain.state_dict(), 0)
+    assert_same(critic, plain_critic.state_dict(), 0)  # initialised from the policy, zero head
     assert not torch.equal(plain.lm_head.weight, tiny_llama(seed=0).lm_head.weight)
