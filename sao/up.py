@@ -37,7 +37,7 @@ class UpConfig:
     """Environment the producers play and the feeder samples prompts from."""
     model: str = "tiny-llama"
     """Model of the producers and the learner: tiny-llama (random, learns toy-target in minutes on
-    2 cores) | smollm2 (SmolLM2-135M-Instruct; too slow to show learning in 10 CPU minutes, README)."""
+    2 cores) | smollm2 (SmolLM2-135M-Instruct, what `make run` trains) | ..."""
     batch_trajectories: int = 16
     """Trajectories per learner step."""
     group_size: int = 1
