@@ -38,7 +38,8 @@ from producers.generate.base import SamplingParams  # noqa: E402
 from producers.generate.hf import HFGenerator  # noqa: E402
 from producers.generate.http import HttpGenerator  # noqa: E402
 from producers.generate.sim import SimConfig, SimGenerator  # noqa: E402
-from producers.models import load_model, load_tokenizer  # noqa: E402
+from producers.models import load_model  # noqa: E402
+from schemas.tokenizers import load_tokenizer  # noqa: E402
 
 QUESTION = "A hall has 12 rows of 18 chairs and 34 people sit down. How many chairs are free?"
 

@@ -33,7 +33,8 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from producers.envs.chat import Chat  # noqa: E402
 from producers.generate.base import SamplingParams  # noqa: E402
 from producers.generate.hf import HFGenerator  # noqa: E402
-from producers.models import load_model, load_tokenizer  # noqa: E402
+from producers.models import load_model  # noqa: E402
+from schemas.tokenizers import load_tokenizer  # noqa: E402
 from producers.weights import WeightSubscriber, sha256_file  # noqa: E402
 from sao.broker import BrokerConfig, EmbeddedBroker  # noqa: E402
 from schemas import topics as T  # noqa: E402

@@ -18,10 +18,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from producers.envs.chat import ByteTokenizer
 from schemas.models import SMOLLM2_GGUF, smollm2_gguf
+from schemas.tokenizers import ByteTokenizer
 
 TINY_LLAMA = {"vocab_size": 64, "hidden_size": 32, "num_layers": 2, "num_heads": 4,
               "num_kv_heads": 2, "max_positions": 256}
@@ -59,17 +59,3 @@ def load_model(name: str, *, seed: int = 0, device: str = "cpu") -> torch.nn.Mod
         case _:
             model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, local_files_only=True)
     return model.to(device).eval()
-
-
-def load_tokenizer(name: str):
-    """The tokenizer paired with model `name`; None for `tiny-llama` (toy envs use raw ids)."""
-    match name:
-        case "tiny-llama":
-            return None
-        case "tiny-llama-bytes":
-            return ByteTokenizer()
-        case "smollm2":
-            return AutoTokenizer.from_pretrained(smollm2_dir(), gguf_file=SMOLLM2_GGUF, local_files_only=True)
-        case _:
-            return AutoTokenizer.from_pretrained(name, local_files_only=True)
-

@@ -27,7 +27,8 @@ import numpy as np
 
 from producers.generate.base import Generation, SamplingParams
 from producers.generate.hf import HFGenerator
-from producers.models import load_model, load_tokenizer
+from producers.models import load_model
+from schemas.tokenizers import load_tokenizer
 from producers.weights import WeightSubscriber
 from schemas import topics as T
 from schemas.kafka import KafkaConfig, ensure_topics

@@ -156,7 +156,7 @@ async def deliver(producer, topic: str, traj: Trajectory) -> None:
 
 
 def run(cfg: ProducerConfig, stop: threading.Event | None = None) -> None:
-    from producers.models import load_tokenizer  # torch/transformers only once we run
+    from schemas.tokenizers import load_tokenizer  # transformers only once we run
 
     stop = stop_on_signals(stop)
     env, params = make_parts(cfg, load_tokenizer(cfg.model))  # a misconfiguration fails before Kafka is asked

@@ -6,8 +6,7 @@ sentinel messages, to learn how an assistant turn ends and how a user turn plus 
 header look, so an observation can be appended right after the model's own stop token without
 re-tokenizing what the model sampled.
 
-`ByteTokenizer` is a ChatML tokenizer over raw UTF-8 bytes for tiny random models: 256 byte ids
-plus four special tokens. No files, no downloads.
+`ByteTokenizer` (schemas/tokenizers.py) is a ChatML tokenizer over raw UTF-8 bytes for tiny models.
 """
 
 from __future__ import annotations
@@ -15,53 +14,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 _ACT, _OBS = "\x00SAO-ACTION\x00", "\x00SAO-OBSERVATION\x00"
-
-
-class ByteTokenizer:
-    """UTF-8 bytes (ids 0..255) + `<|im_start|>`, `<|im_end|>`, `<|endoftext|>`, `<|pad|>`."""
-
-    special = ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|pad|>")
-    vocab_size = 256 + len(special)
-    eos_token_id = 257  # <|im_end|>
-
-    def __len__(self) -> int:
-        return self.vocab_size
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        ids, i = [], 0
-        while i < len(text):
-            for k, tok in enumerate(self.special):
-                if text.startswith(tok, i):
-                    ids.append(256 + k)
-                    i += len(tok)
-                    break
-            else:
-                j = min((p for p in (text.find(t, i) for t in self.special) if p >= 0), default=len(text))
-                ids += text[i:j].encode()
-                i = j
-        return ids
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        out, run = [], bytearray()
-        for t in ids:
-            if t < 256:
-                run.append(t)
-                continue
-            out.append(run.decode(errors="replace"))
-            run = bytearray()
-            if not skip_special_tokens:
-                out.append(self.special[t - 256])
-        out.append(run.decode(errors="replace"))
-        return "".join(out)
-
-    def convert_tokens_to_ids(self, token: str) -> int | None:
-        return 256 + self.special.index(token) if token in self.special else None
-
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False,
-                            tokenize: bool = False) -> str | list[int]:
-        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-        text += "<|im_start|>assistant\n" if add_generation_prompt else ""
-        return self.encode(text) if tokenize else text
 
 
 class Chat:

@@ -16,7 +16,7 @@ import pytest
 from consumers.control import set_criterion
 from consumers.judge import JudgeConfig, run
 from consumers.judges import STYLES, LLMJudge, load_judge, style
-from consumers.tokenizer import ByteText
+from schemas.tokenizers import ByteTokenizer
 from schemas import topics as T
 from schemas.config import ConfigError
 from tests.consumers.util import Service, free_port, pending_trajectory, publish, read_topic, wait_until
@@ -43,7 +43,7 @@ def test_the_llm_judge_asks_a_completions_server_with_the_criterion_and_scales_i
     class Completions(BaseHTTPRequestHandler):
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            seen.append((self.path, ByteText().decode(body["prompt"])))
+            seen.append((self.path, ByteTokenizer().decode(body["prompt"])))
             data = json.dumps({"choices": [{"text": " 7 out of 10"}]}).encode()
             self.send_response(200)
             self.send_header("Content-Length", str(len(data)))
@@ -56,7 +56,7 @@ def test_the_llm_judge_asks_a_completions_server_with_the_criterion_and_scales_i
     server = ThreadingHTTPServer(("127.0.0.1", 0), Completions)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        judge = LLMJudge(f"http://127.0.0.1:{server.server_address[1]}", tokenizer=ByteText())
+        judge = LLMJudge(f"http://127.0.0.1:{server.server_address[1]}", tokenizer=ByteTokenizer())
         assert judge("Write a haiku.", "old pond, frog", "be formal") == 0.7
         [(path, prompt)] = seen
         assert path == "/v1/completions" and "be formal" in prompt and "old pond, frog" in prompt
@@ -103,7 +103,7 @@ def test_the_llm_judge_speaks_the_protocol_of_sao_serve(kafka_cfg):
     try:
         wait_until(lambda: _answers(f"http://127.0.0.1:{port}/health") or server.p.poll() is not None, timeout=120)
         assert server.p.poll() is None, server.log()
-        judge = load_judge("llm", llm_url=f"http://127.0.0.1:{port}", tokenizer=ByteText())
+        judge = load_judge("llm", llm_url=f"http://127.0.0.1:{port}", tokenizer=ByteTokenizer())
         # a random tiny model rarely answers with a number: the point is that the request is served
         assert 0.0 <= judge("Write a haiku.", "old pond", "formal") <= 1.0
     finally:

@@ -1,6 +1,7 @@
 from hypothesis import given, strategies as st
 
-from producers.envs.chat import ByteTokenizer, Chat
+from producers.envs.chat import Chat
+from schemas.tokenizers import ByteTokenizer
 
 tok = ByteTokenizer()
 

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from producers.envs import make_env
-from producers.envs.chat import ByteTokenizer
+from schemas.tokenizers import ByteTokenizer
 from producers.envs.math import evaluate, extract_answer, sample_problem, score
 from schemas.messages import SchemaError
 

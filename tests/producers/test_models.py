@@ -1,8 +1,9 @@
 import torch
 
 from learner.models import tiny_llama as learner_tiny_llama
-from producers.envs.chat import ByteTokenizer
-from producers.models import TINY_LLAMA, TINY_LLAMA_BYTES, load_model, load_tokenizer
+from schemas.tokenizers import ByteTokenizer
+from producers.models import TINY_LLAMA, TINY_LLAMA_BYTES, load_model
+from schemas.tokenizers import load_tokenizer
 
 
 def _same(a: torch.nn.Module, b: torch.nn.Module) -> bool:

@@ -3,7 +3,7 @@ import random
 import pytest
 
 from producers.envs import make_env
-from producers.envs.chat import ByteTokenizer
+from schemas.tokenizers import ByteTokenizer
 from schemas.messages import SchemaError
 
 

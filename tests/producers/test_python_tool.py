@@ -6,7 +6,7 @@ import random
 import pytest
 
 from producers.envs import make_env
-from producers.envs.chat import ByteTokenizer
+from schemas.tokenizers import ByteTokenizer
 from producers.envs.python_tool import extract_code
 from producers.sandbox import Sandbox, SandboxConfig
 

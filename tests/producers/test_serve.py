@@ -21,7 +21,8 @@ from producers.episode import TrajectoryIds, run_episode
 from producers.generate.base import SamplingParams
 from producers.generate.hf import HFGenerator
 from producers.generate.http import HttpGenerator
-from producers.models import TINY_LLAMA, TINY_LLAMA_BYTES, load_model, load_tokenizer
+from producers.models import TINY_LLAMA, TINY_LLAMA_BYTES, load_model
+from schemas.tokenizers import load_tokenizer
 from producers.serve import BadRequest, make_server, parse_request, version_spans
 from producers.weights import WeightSubscriber
 from tests.producers.util import announcement, publish, wait_until, write_weights
