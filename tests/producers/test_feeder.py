@@ -8,7 +8,8 @@ import threading
 import pytest
 from hypothesis import given, strategies as st
 
-from producers.feeder import Backlog, FeedConfig, prompts_from_jsonl, run, unfinished
+from producers.datasets import epoch_order, load_rows
+from producers.feeder import Backlog, FeedConfig, run, unfinished
 from schemas import topics as T
 from schemas.kafka import make_consumer
 from schemas.config import ConfigError
@@ -42,7 +43,7 @@ def test_jsonl_lines_become_prompts_and_bad_lines_are_skipped(tmp_path):
                                "",
                                json.dumps({"task": {"question": "q", "answer": 1}, "env": "math"})]))
     errors = []
-    prompts = list(prompts_from_jsonl(path, "toy-target", errors))
+    prompts = load_rows(path, "toy-target", errors)
     assert [p.task for p in prompts] == [{"target": 1}, {"target": 2}, {"question": "q", "answer": 1}]
     assert [p.id for p in prompts] == ["a", "prompts.jsonl:3", "prompts.jsonl:6"]  # stable per row
     assert [p.env for p in prompts] == ["toy-target", "toy-target", "math"]
@@ -102,7 +103,7 @@ def test_a_counted_feed_publishes_exactly_count_and_waits_until_done(kafka_cfg):
 def test_epochs_keep_row_ids_and_groups_fan_out_with_distinct_trajectory_ids(kafka_cfg, tmp_path):
     path = tmp_path / "rows.jsonl"
     path.write_text("\n".join(json.dumps({"target": t}) for t in (1, 2, 3)))
-    cfg = FeedConfig(env="toy-target", jsonl=str(path), epochs=2, group_size=4, max_unfinished=100,
+    cfg = FeedConfig(env="toy-target", dataset=str(path), epochs=2, group_size=4, max_unfinished=100,
                      kafka=kafka_cfg)
     assert run(cfg) == 24
     prompts = _finish(kafka_cfg, 24)
@@ -120,3 +121,23 @@ def test_impossible_feed_settings_name_the_flag():
     for name in ("epochs", "group_size", "max_unfinished"):
         with pytest.raises(ConfigError, match=f"--{name.replace('_', '-')}"):
             FeedConfig(**{name: 0})
+
+
+def test_parquet_rows_become_prompts_with_struct_or_json_tasks(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({"id": ["r1", None], "task": ['{"target": 1}', '{"target": 2}']}), path)
+    assert [(p.id, p.task) for p in load_rows(path, "toy-target", [])] == \
+        [("r1", {"target": 1}), ("rows.parquet:2", {"target": 2})]
+    bare = tmp_path / "bare.parquet"  # no task column: the row is the task
+    pq.write_table(pa.table({"target": [3, 0], "env": ["toy-target", "toy-target"]}), bare)
+    assert [p.task for p in load_rows(bare, "math", [])] == [{"target": 3}, {"target": 0}]
+
+
+def test_every_epoch_has_its_own_reproducible_order():
+    orders = [epoch_order(50, seed=7, epoch=e, shuffle=True) for e in range(3)]
+    assert all(sorted(o) == list(range(50)) for o in orders)
+    assert orders[0] != orders[1] != orders[2]
+    assert orders[1] == epoch_order(50, seed=7, epoch=1, shuffle=True)
+    assert epoch_order(5, seed=7, epoch=1, shuffle=False) == [0, 1, 2, 3, 4]
