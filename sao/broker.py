@@ -100,6 +100,14 @@ def die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
 
 
+def _cluster_id() -> str:
+    """A random Kafka cluster id; like Kafka's own Uuid.randomUuid, never one starting with "-",
+    which StorageTool's command line would read as an option (1 id in 64 otherwise)."""
+    while (cid := base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")).startswith("-"):
+        pass
+    return cid
+
+
 class EmbeddedBroker:
     """A broker child process; `with EmbeddedBroker(cfg) as b: b.bootstrap`."""
 
@@ -128,7 +136,7 @@ class EmbeddedBroker:
                 f"-Dlog4j2.configurationFile={self._log4j()}",
                 f"-Dkafka.logs.dir={self.data_dir}", "-cp", f"{jars}/*"]
         if not (self.data_dir / "log" / "meta.properties").exists():
-            cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+            cluster_id = _cluster_id()
             subprocess.run([*java, "kafka.tools.StorageTool", "format", "-t", cluster_id,
                             "-c", str(props)], check=True, stdout=subprocess.DEVNULL)
         return [*java, "kafka.Kafka", str(props)]
