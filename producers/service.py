@@ -172,6 +172,8 @@ def run(cfg: ProducerConfig, stop: threading.Event | None = None) -> None:
     try:
         if sub is not None and not sub.start().caught_up.wait(120):
             log.warning("weights backlog not read within 120 s; starting on version %d", generator.version)
+        if sub is not None and isinstance(sub.error, ConfigError):  # e.g. not the learner's architecture
+            raise sub.error
         log.info("producer %s: %s backend, env %s, %d episodes in flight, weights v%d", cfg.producer_id,
                  cfg.backend, env.name, cfg.concurrency, generator.version)
         done = asyncio.run(Service(cfg, consumer, producer, player, metrics, sub, stop).run())

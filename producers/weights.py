@@ -27,9 +27,10 @@ from urllib.parse import unquote, urlparse
 
 from confluent_kafka import OFFSET_BEGINNING, TopicPartition
 
-from producers.generate.base import Generator
+from producers.generate.base import ArchitectureMismatch, Generator
 from producers.retry import retrying
 from schemas import topics as T
+from schemas.config import ConfigError
 from schemas.kafka import KafkaConfig, consumer_error, make_consumer
 from schemas.messages import SchemaError, Weights
 
@@ -75,6 +76,11 @@ def newest_first(announcements: Sequence[Weights], current: int) -> list[Weights
     return [by_version[v] for v in sorted(by_version, reverse=True)]
 
 
+def _mismatch(w: Weights, e: ArchitectureMismatch) -> ConfigError:
+    return ConfigError(f"--model: the learner's weights (version {w.version}) are another architecture "
+                       f"than this producer's model: {e}")
+
+
 class WeightSubscriber:
     """A background thread that keeps `generator` on the newest loadable announced version."""
 
@@ -108,6 +114,8 @@ class WeightSubscriber:
             return False
         try:
             self.generator.load_weights(str(verify(w)) if self.verify_files else w.uri, w.version)
+        except ArchitectureMismatch as e:
+            raise _mismatch(w, e) from e
         except Exception as e:  # a bad file or a load failure must never take the producer down
             self.counts["rejected"] += 1
             log.error("weights version %d rejected, staying on %d: %s", w.version,
@@ -139,6 +147,20 @@ class WeightSubscriber:
                 position = msg.offset()
             if (w := self._decode(msg)) is not None:
                 backlog.append(w)
+        check = getattr(self.generator, "check_weights", None)  # backends that hold the model
+        if check is not None and self.verify_files:
+            # the learner's newest intact file, even a version we start on and never load (v0 is
+            # built here from the same seed), must be this model's architecture
+            for w in newest_first(backlog, -1):
+                try:
+                    path = verify(w)
+                except WeightsError:
+                    continue  # apply() below rejects and counts it
+                try:
+                    check(str(path))
+                except ArchitectureMismatch as e:
+                    raise _mismatch(w, e) from e
+                break
         for w in newest_first(backlog, self.generator.version):
             if self.apply(w):
                 break

@@ -35,3 +35,21 @@ def test_a_misconfiguration_exits_non_zero_naming_the_setting(argv, named, tmp_p
     assert out.returncode != 0
     assert named in out.stderr, out.stderr[-2000:]
     assert "Traceback" not in out.stderr, out.stderr[-2000:]
+
+
+def test_a_producer_whose_model_is_not_the_learners_architecture_stops_at_start(kafka_cfg, tmp_path):
+    """The learner announced a 128-token-vocabulary model; this producer runs tiny-llama (64)."""
+    from producers.models import tiny_llama
+    from schemas import topics as T
+    from schemas.kafka import make_producer, produce
+    from tests.producers.util import announcement, write_weights
+    w = announcement(write_weights(tiny_llama(vocab_size=128, hidden_size=32, num_layers=2, num_heads=4,
+                                              num_kv_heads=2, max_positions=256), tmp_path / "v0.safetensors"), 0)
+    producer = make_producer(kafka_cfg)
+    produce(producer, kafka_cfg.topic(T.WEIGHTS), w.encode(), key=w.key)
+    assert producer.flush(30) == 0
+    out = subprocess.run([sys.executable, "-m", "sao", "producer", "--model", "tiny-llama",
+                          "--kafka.bootstrap", kafka_cfg.bootstrap, "--kafka.topic-prefix", kafka_cfg.topic_prefix],
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 2 and "--model" in out.stderr and "architecture" in out.stderr, out.stderr[-2000:]

@@ -45,6 +45,11 @@ class Generation:
     timing: dict[str, float] = field(default_factory=dict)
 
 
+class ArchitectureMismatch(ValueError):
+    """A weights file that is not this generator's model (other names or shapes): no later version
+    will fit either, so the producer must stop rather than sample forever with stale weights."""
+
+
 class Generator(Protocol):
     @property
     def version(self) -> int:

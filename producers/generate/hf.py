@@ -28,10 +28,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import DynamicCache
 
-from producers.generate.base import Generation, SamplingParams, check_request
+from producers.generate.base import ArchitectureMismatch, Generation, SamplingParams, check_request
 
 
 def truncate(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -115,11 +116,7 @@ class HFGenerator:
         """Queue a safetensors state dict as `version`; returns once it is live. Raises
         ValueError, keeping the old weights, on an older version or a mismatching file."""
         state = load_file(path, device=str(self.device))
-        expected = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
-        got = {k: tuple(v.shape) for k, v in state.items()}
-        if got != expected:
-            diff = sorted(set(got.items()) ^ set(expected.items()))[:3]
-            raise ValueError(f"{path}: state dict does not match the model, e.g. {diff}")
+        self._check_shapes({k: tuple(v.shape) for k, v in state.items()}, path)
         with self._pending_lock:
             newest = max(self._version, self._pending[1] if self._pending else -1)
             if version < newest:
@@ -127,6 +124,18 @@ class HFGenerator:
             self._pending = (state, version)
         with self._step_lock:  # the next step boundary; the engine may get there first
             self._apply_pending()
+
+    def check_weights(self, path: str) -> None:
+        """Raise ArchitectureMismatch unless the safetensors file holds this model's tensors
+        (names and shapes, read from its header alone)."""
+        with safe_open(path, framework="pt") as f:
+            self._check_shapes({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}, path)
+
+    def _check_shapes(self, got: dict[str, tuple[int, ...]], path: str) -> None:
+        expected = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
+        if got != expected:
+            diff = sorted(set(got.items()) ^ set(expected.items()))[:3]
+            raise ArchitectureMismatch(f"{path}: state dict does not match the model, e.g. {diff}")
 
     def _apply_pending(self) -> None:
         """Swap in a queued state dict; the caller holds `_step_lock`."""

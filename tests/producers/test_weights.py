@@ -18,6 +18,7 @@ from producers.generate.base import SamplingParams
 from producers.generate.hf import HFGenerator
 from producers.models import load_model
 from producers.weights import WeightsError, WeightSubscriber, local_path, newest_first, verify
+from schemas.config import ConfigError
 from schemas.messages import Weights
 from tests.producers.util import announcement, publish, wait_until, write_weights
 
@@ -84,13 +85,24 @@ def test_newer_version_is_loaded_older_ignored_corrupt_rejected(kafka_cfg, gen, 
         wait_until(lambda: sub.counts["ignored"] == 1)
         publish(kafka_cfg, b"\x93not a weights message")
         wait_until(lambda: sub.counts["invalid"] == 1)
-        wrong_shape = write_weights(load_model("tiny-llama-bytes", seed=0), tmp_path / "v3.safetensors")
-        publish(kafka_cfg, announcement(wrong_shape, 3))  # sha256 fine, state dict does not fit
-        wait_until(lambda: sub.counts["rejected"] == 1)
-        assert gen.version == 2 and _same_weights(gen.model, new)
     finally:
         sub.close()
     assert sub.error is None
+
+
+def test_weights_of_another_architecture_stop_the_subscription_with_a_clear_error(kafka_cfg, gen, tmp_path):
+    """A learner on another model is a misconfiguration, not a bad file: the producer must stop
+    (its service raises `sub.error`) rather than sample on forever with weights that never change."""
+    wrong_shape = write_weights(load_model("tiny-llama-bytes", seed=0), tmp_path / "v3.safetensors")
+    sub = WeightSubscriber(kafka_cfg, gen).start()
+    try:
+        assert sub.caught_up.wait(30)
+        publish(kafka_cfg, announcement(wrong_shape, 3))  # sha256 fine, state dict does not fit
+        wait_until(lambda: sub.error is not None)
+        assert isinstance(sub.error, ConfigError) and "architecture" in str(sub.error)
+        assert gen.version == 0
+    finally:
+        sub.close()
 
 
 def test_corrupt_weights_are_rejected_and_generation_continues_on_the_old_version(kafka_cfg, gen, tmp_path):
