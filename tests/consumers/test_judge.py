@@ -19,7 +19,8 @@ from consumers.judges import STYLES, LLMJudge, load_judge, style
 from schemas.tokenizers import ByteTokenizer
 from schemas import topics as T
 from schemas.config import ConfigError
-from tests.consumers.util import Service, free_port, pending_trajectory, publish, read_topic, wait_until
+from sao.broker import free_port
+from tests.consumers.util import Service, pending_trajectory, publish, read_topic, wait_until
 
 TEXTS = ["HELLO THERE", "hello there", "2024 1999"]
 

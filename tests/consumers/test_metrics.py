@@ -7,7 +7,7 @@ import logging
 import httpx
 
 from consumers.metrics import JoinerMetrics
-from tests.consumers.util import free_port
+from sao.broker import free_port
 
 
 def test_metrics_are_served_and_the_log_line_has_rates_latency_and_counts(caplog):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -13,6 +12,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from sao.broker import free_port
 from schemas import topics as T
 from schemas.kafka import KafkaConfig, make_producer, produce
 from schemas.messages import Trajectory
@@ -66,12 +66,6 @@ class Service:
         except subprocess.TimeoutExpired:
             self.p.kill()
             return self.p.wait()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def joiner(kafka: KafkaConfig, *args: str) -> tuple[Service, int]:
