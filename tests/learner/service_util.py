@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -114,3 +115,18 @@ def trained_ledger(run_dir: Path) -> dict[str, int]:
     """trajectory id -> step index, from the newest checkpoint's ledger."""
     data = (latest_checkpoint(run_dir) / "learner.msgpack").read_bytes()
     return dict(msgpack.unpackb(data, raw=False, strict_map_key=False)["source"]["trained"])
+
+
+def sigkill_mid_run(cmd: list[str], run_dir: Path, rnd: random.Random, times: int = 3) -> None:
+    """Start the learner `times` times, each time SIGKILLing it a few steps in, anywhere in a step:
+    mid-train, mid-checkpoint, mid-publish."""
+    for _ in range(times):
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        target = len(metrics(run_dir)) + rnd.randint(2, 8)
+        deadline = time.monotonic() + 120
+        while len(metrics(run_dir)) < target and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(rnd.uniform(0, 0.3))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()

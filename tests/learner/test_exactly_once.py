@@ -5,10 +5,7 @@ what must hold is that every trajectory trains in exactly one step."""
 from __future__ import annotations
 
 import collections
-import os
 import random
-import signal
-import subprocess
 import threading
 import time
 
@@ -16,8 +13,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from schemas import topics as T
 from schemas.kafka import KafkaConfig, ensure_topics, make_producer, produce
-from tests.learner.service_util import (ROOT, announcements, learner_cmd, metrics, rollouts, run_learner,
-                                        trained_ledger)
+from tests.learner.service_util import announcements, learner_cmd, rollouts, run_learner, sigkill_mid_run, trained_ledger
 
 
 def test_sigkill_three_times_with_three_partitions_and_two_producers_trains_each_once(kafka_bootstrap, tmp_path):
@@ -38,17 +34,7 @@ def test_sigkill_three_times_with_three_partitions_and_two_producers_trains_each
     for th in threads:
         th.start()
     flags = ("--batch-trajectories", "8", "--max-steps", "37", "--max-staleness", "-1")
-    rnd = random.Random(5)
-    for _ in range(3):
-        proc = subprocess.Popen(learner_cmd(cfg, tmp_path, *flags), cwd=ROOT, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        target = len(metrics(tmp_path)) + rnd.randint(2, 8)
-        deadline = time.monotonic() + 120
-        while len(metrics(tmp_path)) < target and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.02)
-        time.sleep(rnd.uniform(0, 0.3))  # anywhere in a step: mid-train, mid-checkpoint, mid-publish
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+    sigkill_mid_run(learner_cmd(cfg, tmp_path, *flags), tmp_path, random.Random(5))
     for th in threads:
         th.join(60)
     run_learner(learner_cmd(cfg, tmp_path, *flags))

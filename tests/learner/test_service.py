@@ -18,8 +18,8 @@ from schemas import topics as T
 from schemas.kafka import make_consumer
 from schemas.messages import DeadLetter, Weights
 from tests.learner.service_util import (ROOT, announcements, assert_close_state, final_policy,
-                                        latest_checkpoint, learner_cmd, load_weights, metrics, publish, rollouts, run_learner,
-                                        trained_ledger)
+                                        latest_checkpoint, learner_cmd, load_weights, metrics, publish,
+                                        rollouts, run_learner, sigkill_mid_run, trained_ledger)
 
 
 def test_learner_trains_on_fresh_rollouts_and_publishes_loadable_versions(kafka_cfg, tmp_path):
@@ -88,18 +88,8 @@ def test_sigkill_three_times_trains_every_trajectory_exactly_once(kafka_bootstra
     run_learner(learner_cmd(*runs["clean"], *flags))
 
     cfg, run_dir = runs["killed"]
-    rnd, kills = random.Random(3), 0
-    while kills < 3:
-        proc = subprocess.Popen(learner_cmd(cfg, run_dir, *flags), cwd=ROOT, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        target = len(metrics(run_dir)) + rnd.randint(2, 8)
-        deadline = time.monotonic() + 120
-        while len(metrics(run_dir)) < target and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.02)
-        time.sleep(rnd.uniform(0, 0.3))  # land anywhere in a step: mid-train, mid-checkpoint, mid-publish
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        kills += 1
+    kills = 3
+    sigkill_mid_run(learner_cmd(cfg, run_dir, *flags), run_dir, random.Random(3), kills)
     run_learner(learner_cmd(cfg, run_dir, *flags))  # to the end
 
     # the ledger in the final checkpoint says which step trained each trajectory: every one of
