@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 import faust
@@ -87,6 +88,7 @@ class Joiner:
 
     def __init__(self, cfg: JoinerConfig, metrics: JoinerMetrics):
         self.cfg, self.metrics = cfg, metrics
+        Path(cfg.data_dir).mkdir(parents=True, exist_ok=True)  # faust makes only the last level
         big = T.MAX_MESSAGE_BYTES + (1 << 20)
         self.app = app = faust.App(
             cfg.app_name, broker=f"kafka://{cfg.kafka.bootstrap}", store=f"{cfg.store}://",
