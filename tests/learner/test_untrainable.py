@@ -114,13 +114,13 @@ def test_a_topic_deleted_under_a_running_learner_stops_it_with_a_clear_error(kaf
     proc = subprocess.Popen(learner_cmd(kafka_cfg, tmp_path, "--batch-trajectories", "4"), cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
-    deadline = time.monotonic() + 120
-    while not metrics(tmp_path) and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    topic = kafka_cfg.topic(T.TRAJECTORIES)
-    admin = AdminClient(kafka_cfg.client())  # held: a collected client cancels its futures
-    admin.delete_topics([topic])[topic].result(30)
     try:
+        deadline = time.monotonic() + 120
+        while not metrics(tmp_path) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        topic = kafka_cfg.topic(T.TRAJECTORIES)
+        admin = AdminClient(kafka_cfg.client())  # held: a collected client cancels its futures
+        admin.delete_topics([topic])[topic].result(30)
         _, err = proc.communicate(timeout=60)  # never a log-and-spin
     finally:
         proc.kill()
