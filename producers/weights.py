@@ -149,9 +149,9 @@ class WeightSubscriber:
                 backlog.append(w)
         check = getattr(self.generator, "check_weights", None)  # backends that hold the model
         if check is not None and self.verify_files:
-            # the learner's newest intact file, even a version we start on and never load (v0 is
-            # built here from the same seed), must be this model's architecture
-            for w in newest_first(backlog, -1):
+            # a version we start on and never load (v0 is built here from the same seed) must be this
+            # model's architecture too; newer ones are checked as apply() loads them, hashed once
+            for w in (w for w in newest_first(backlog, -1) if w.version <= self.generator.version):
                 try:
                     path = verify(w)
                 except WeightsError:
