@@ -4,9 +4,10 @@ Prompts come from a dataset (`--dataset FILE.jsonl|.parquet`, epochs, optional s
 producers/datasets.py) or from the environment's own task generator.
 Each epoch of a dataset is a new `attempt`, so its rollouts are new trajectories, not duplicates.
 `--group-size G` publishes every prompt G times (samples 0..G-1 of one group) for the group
-baselines (grpo, grpo_dis), which the learner trains only as whole groups. The feeder keeps the number of unfinished prompts (published, not yet committed
-by the producers' group) at or below `max_unfinished`, so prompts wait in the feeder rather than
-pile up in the topic while producers are slow or absent:
+baselines (grpo, grpo_dis), which the learner trains only as whole groups. The feeder keeps the
+number of unfinished prompts (published, not yet committed by the producers' group) at or below
+`max_unfinished`, so prompts wait in the feeder rather than pile up in the topic while producers
+are slow or absent:
 
     unfinished = Σ over partitions (high watermark − committed offset of group `sao-producers`)
 
