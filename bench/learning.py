@@ -2,9 +2,9 @@
 
 Every method sees the same number of trajectories per step (`--batch`, default 16): the
 single-rollout methods (sao, running_mean) get 16 prompts × 1 rollout, the GRPO variants
-2 prompts × 8. Rollouts come from a separate `HFGenerator` whose weights are refreshed from the
-learner through a safetensors file every `--sync-every` steps: 1 is on-policy; k > 1 makes
-rollouts up to k − 1 versions stale, as in an asynchronous system.
+2 prompts × 8. Rollouts come from a separate `HFGenerator` (the loop of bench/loop.py) whose
+weights are refreshed from the learner through a safetensors file every `--sync-every` steps: 1 is
+on-policy; k > 1 makes rollouts up to k − 1 versions stale, as in an asynchronous system.
 
 Prints, per task and method, the final reward (mean of the last `--final` steps; mean ± std over
 seeds) and the steps to reach 80 % of the best method's final reward (first step at which the
@@ -17,31 +17,22 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import random
 import statistics
 import sys
-import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
 
-from learner.models import tiny_llama  # noqa: E402
-from learner.update import SAOUpdate, UpdateConfig  # noqa: E402
-from learner.value import ValueModel  # noqa: E402
-from producers.envs import make_env  # noqa: E402
-from producers.episode import play_tasks  # noqa: E402
-from producers.generate.base import SamplingParams  # noqa: E402
-from producers.generate.hf import HFGenerator  # noqa: E402
+from bench.loop import TASKS, LoopConfig  # noqa: E402
+from bench.loop import run as train  # noqa: E402
+from learner.update import UpdateConfig  # noqa: E402
 
 ALGORITHMS = ("sao", "grpo_dis", "running_mean", "grpo")
-TASKS = {"toy-target": 8, "toy-multiturn": 4}  # env → action tokens per turn
 GROUP = 8  # rollouts per prompt of the GRPO variants
 SMOOTH = 20
 
@@ -49,25 +40,11 @@ SMOOTH = 20
 def run(env_name: str, algorithm: str, seed: int, args: argparse.Namespace) -> list[float]:
     """Mean trajectory return of each step of one training run."""
     torch.set_num_threads(1)
-    policy = tiny_llama(seed=seed)
-    critic = ValueModel.from_policy(policy) if algorithm.startswith("sao") else None
-    update = SAOUpdate(policy, critic, UpdateConfig(algorithm=algorithm, lr_policy=args.lr_policy,
-                                                    lr_critic=args.lr_critic))
-    generator = HFGenerator(tiny_llama(seed=seed), seed=seed)
-    env, rng = make_env(env_name), random.Random(seed)
-    group = GROUP if algorithm.startswith("grpo") else 1
-    params = SamplingParams(max_tokens=TASKS[env_name])
-    curve = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for step in range(args.steps):
-            if step % args.sync_every == 0 and step:
-                save_file(policy.state_dict(), f"{tmp}/w.safetensors")
-                generator.load_weights(f"{tmp}/w.safetensors", version=step)
-            trajs = play_tasks(env, generator, params, rng, num_prompts=args.batch // group,
-                               group_size=group, id_prefix=f"{step}.")
-            metrics = update.step(trajs)
-            curve.append(metrics["reward/mean"])
-    return curve
+    cfg = LoopConfig(env=env_name, steps=args.steps, batch=args.batch, group=GROUP,
+                     sync_every=args.sync_every, start=args.start, seed=seed,
+                     update=UpdateConfig(algorithm=algorithm, lr_policy=args.lr_policy,
+                                         lr_critic=args.lr_critic))
+    return [m["reward/mean"] for m in train(cfg)]
 
 
 def trailing_mean(curve: list[float]) -> np.ndarray:
@@ -124,6 +101,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16, help="trajectories per step, a multiple of 8")
     parser.add_argument("--sync-every", type=int, default=1,
                         help="steps between generator weight loads (1 = on-policy)")
+    parser.add_argument("--start", type=Path,
+                        help="transformers folder to start from (default: the random tiny Llama)")
     parser.add_argument("--lr-policy", type=float, default=3e-3)
     parser.add_argument("--lr-critic", type=float, default=3e-3)
     parser.add_argument("--final", type=int, default=50, help="steps averaged into the final reward")
@@ -132,7 +111,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.batch % GROUP:
         parser.error(f"--batch must be a multiple of {GROUP}")
-    print(f"learning: tiny Llama (vocab 64, hidden 32, 2 layers), {args.steps} steps x {args.batch} "
+    model = args.start or "tiny Llama (vocab 64, hidden 32, 2 layers)"
+    print(f"learning: {model}, {args.steps} steps x {args.batch} "
           f"trajectories, GRPO groups of {GROUP}, sync every {args.sync_every}, lr {args.lr_policy:g} "
           f"policy / {args.lr_critic:g} critic, seeds 0..{args.seeds - 1}  [{platform.machine()}, "
           f"{os.cpu_count()} cores, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}]")

@@ -110,17 +110,23 @@ class Player:
 
 def play_tasks(env: Env, generator: Generator, params: SamplingParams, rng: random.Random, *,
                num_prompts: int, group_size: int = 1, producer_id: str = "local",
-               id_prefix: str = "") -> list[Trajectory]:
+               id_prefix: str = "", concurrent: bool = False) -> list[Trajectory]:
     """`num_prompts` fresh tasks of `env`, `group_size` episodes each, played in-process one after
-    another (tests, benchmarks; sequential so a seeded run samples the same tokens every time). A
-    task's prompt id is its content, so every repeat of a task shares one running mean and the G
-    episodes of a sampled task form one group."""
-    trajs = []
+    another (tests, benchmarks; sequential so a seeded run samples the same tokens every time), or
+    with `concurrent` all at once so the generator batches them (several times faster; which tokens
+    a seed samples then depends on how the requests met in batches). A task's prompt id is its
+    content, so every repeat of a task shares one running mean and the G episodes of a sampled task
+    form one group."""
+    episodes = []
     for p in range(num_prompts):
         task = env.sample_task(rng)
         prompt_id = f"{env.name}/{json.dumps(task, sort_keys=True)}"
         for g in range(group_size):
             ids = TrajectoryIds(id=f"{id_prefix}{p}.{g}", prompt_id=prompt_id, env=env.name,
                                 producer_id=producer_id, group=f"{id_prefix}{p}", group_size=group_size)
-            trajs.append(asyncio.run(run_episode(env.episode(task), generator, params, ids)))
-    return trajs
+            episodes.append(run_episode(env.episode(task), generator, params, ids))
+    if concurrent:
+        async def together() -> list[Trajectory]:
+            return list(await asyncio.gather(*episodes))
+        return asyncio.run(together())
+    return [asyncio.run(e) for e in episodes]

@@ -119,3 +119,13 @@ def test_play_tasks_groups_share_a_prompt_id():
                        random.Random(0), num_prompts=3, group_size=2)
     assert len(trajs) == 6 and len({t.id for t in trajs}) == 6
     assert [t.prompt_id == u.prompt_id for t, u in zip(trajs[::2], trajs[1::2])] == [True] * 3
+
+
+def test_play_tasks_concurrent_plays_the_same_tasks_and_groups():
+    env = TargetEnv(n_tasks=4)
+    one_by_one, together = (
+        play_tasks(env, Scripted([[FIRST]] * 6), SamplingParams(max_tokens=1), random.Random(0),
+                   num_prompts=3, group_size=2, concurrent=concurrent) for concurrent in (False, True))
+    assert [(t.id, t.prompt_id, t.group) for t in together] == [
+        (t.id, t.prompt_id, t.group) for t in one_by_one]
+    assert [t.reward for t in together] == [t.reward for t in one_by_one]
