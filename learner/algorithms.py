@@ -8,6 +8,10 @@
 | grpo | group-normalised reward | PPO clip vs batch start | none | - |
 | grpo_dis | group-normalised reward | DIS | none | - |
 | running_mean | reward − running mean | DIS | none | - |
+| vapo | skip-observation GAE | PPO clip vs batch start | K updates, warm-up first | frozen |
+
+`vapo` is SAO without the DIS mask, the paper's critic-without-DIS comparison (SAO.md §8): stale
+rollouts enter the loss with no correction for how far π_rollout drifted.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import typing
 from dataclasses import dataclass
 from typing import Literal
 
-Algorithm = Literal["sao", "sao_k1", "sao_full_critic", "grpo", "grpo_dis", "running_mean"]
+Algorithm = Literal["sao", "sao_k1", "sao_full_critic", "grpo", "grpo_dis", "running_mean", "vapo"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,4 +62,6 @@ def algorithm_settings(algorithm: Algorithm, critic_updates: int = 2,
             return AlgorithmSettings(advantage="group", **baseline)
         case "running_mean":
             return AlgorithmSettings(advantage="running_mean", **baseline)
+        case "vapo":
+            return AlgorithmSettings(**sao | {"policy_loss": "ppo_clip"})
     raise ValueError(f"--algorithm {algorithm!r}: expected one of {typing.get_args(Algorithm)}")

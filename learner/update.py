@@ -52,7 +52,8 @@ class UpdateConfig:
     algorithm: Algorithm = "sao"
     """sao | sao_k1 (one critic step) | sao_full_critic (critic attention trains) | grpo (group
     advantage, PPO clip vs the learner at batch start) | grpo_dis (group advantage, DIS) |
-    running_mean (running-mean baseline, DIS). SAO.md §7."""
+    running_mean (running-mean baseline, DIS) | vapo (sao with the PPO clip instead of DIS). SAO.md
+    §7, §8."""
     preset: Literal["reasoning", "coding"] = "reasoning"
     """DIS band: reasoning keeps 0.7 < r < 6.0, coding keeps 0.2 < r < 4.0 (SAO.md §3)."""
     eps_low: float | None = None

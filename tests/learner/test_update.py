@@ -8,6 +8,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import copy
 import math
 import random
+import typing
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ import torch
 from learner.logprobs import collate, token_rewards
 from learner.microbatch import plan_step
 from learner.models import tiny_llama
-from learner.algorithms import algorithm_settings
+from learner.algorithms import Algorithm, algorithm_settings
 from learner.update import MicroBatch, SAOUpdate, UpdateConfig, guarded_step
 from learner.value import ValueModel
 from producers.envs import make_env
@@ -34,7 +35,7 @@ REQUIRED_METRICS = {
 
 def build(algorithm="sao", seed=0, **kw):
     policy = tiny_llama(seed=seed)
-    critic = ValueModel.from_policy(policy) if algorithm.startswith("sao") else None
+    critic = ValueModel.from_policy(policy) if algorithm_settings(algorithm).uses_critic else None
     return SAOUpdate(policy, critic, UpdateConfig(algorithm=algorithm, **{"lr_policy": 1e-2, "lr_critic": 1e-2} | kw))
 
 
@@ -212,7 +213,7 @@ def test_config_presets_overrides_validation_and_environment():
 
 
 def test_every_algorithm_runs_on_the_same_path():
-    for algorithm in ("sao", "sao_k1", "sao_full_critic", "grpo", "grpo_dis", "running_mean"):
+    for algorithm in typing.get_args(Algorithm):
         update = build(algorithm, warmup_steps=0, kl_coef=0.1, entropy_coef=0.01,
                        value_clip=0.2, whiten_advantages=True)
         metrics = update.step(rollouts(update, num_prompts=2, group_size=2))
@@ -221,15 +222,28 @@ def test_every_algorithm_runs_on_the_same_path():
                    if not k.startswith(("value/explained", "grad_norm/critic"))), (algorithm, metrics)
 
 
+def test_vapo_is_sao_without_the_dis_mask():
+    """Rollout log-probs e^5 below the policy's: DIS masks every token, so sao's policy gets no
+    gradient; vapo's PPO clip against the batch-start weights ignores π_rollout and updates."""
+    trajs = rollouts(build("sao"))
+    for t in trajs:
+        t.rollout_logprobs[t.action_mask.astype(bool)] -= 5.0
+    sao, vapo = (build(a, warmup_steps=0).step(trajs) for a in ("sao", "vapo"))
+    assert sao["dis/kept_frac"] == vapo["dis/kept_frac"] == 0 and sao["grad_norm/policy"] == 0
+    assert vapo["grad_norm/policy"] > 0 and vapo["step/critic_updates"] == 2
+    assert "value/explained_var" in vapo and "ppo/clip_frac" in vapo
+
+
 def test_each_algorithm_name_resolves_once_into_its_settings():
     table = {name: algorithm_settings(name, critic_updates=2, warmup_steps=10) for name in
-             ("sao", "sao_k1", "sao_full_critic", "grpo", "grpo_dis", "running_mean")}
+             typing.get_args(Algorithm)}
     row = {n: (s.advantage, s.policy_loss, s.critic_updates, s.freeze_critic_attention, s.warmup_steps)
            for n, s in table.items()}
     assert row == {"sao": ("gae", "dis", 2, True, 10), "sao_k1": ("gae", "dis", 1, True, 10),
                    "sao_full_critic": ("gae", "dis", 2, False, 10),
                    "grpo": ("group", "ppo_clip", 0, False, 0), "grpo_dis": ("group", "dis", 0, False, 0),
-                   "running_mean": ("running_mean", "dis", 0, False, 0)}
+                   "running_mean": ("running_mean", "dis", 0, False, 0),
+                   "vapo": ("gae", "ppo_clip", 2, True, 10)}
     with pytest.raises(ValueError, match="--algorithm"):
         algorithm_settings("ppo")
 
