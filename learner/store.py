@@ -93,6 +93,13 @@ class WeightStore:
         return Weights(version=version, step=step, uri=path.resolve().as_uri(),
                        sha256=sha256, num_bytes=num_bytes, dtype=",".join(dtypes))
 
+    def describe(self, config, model: str) -> None:
+        """Write what producers started with `--model learner` build before loading a version:
+        `config.json` (the architecture) and `model.json` (the `--model.name` whose tokenizer
+        they load). Written at every start, so the store always describes the model it holds."""
+        atomic_file(self.root / "config.json", lambda tmp: tmp.write_text(config.to_json_string()))
+        atomic_file(self.root / "model.json", lambda tmp: tmp.write_text(json.dumps({"name": model})))
+
     def _prune(self) -> None:
         for _, path in _numbered(self.root, r"v(\d+)\.safetensors")[:-self.keep]:
             path.unlink(missing_ok=True)

@@ -6,7 +6,9 @@
 - `tiny-llama`: a random dense Llama for toy environments (vocab 64, token ids only, no tokenizer).
 - `tiny-llama-bytes`: the same architecture over `ByteTokenizer` (vocab 260, 4096 positions), so
   text environments run with a tiny model.
-- anything else: a local Hugging Face model directory.
+- anything else: a local Hugging Face model directory, or a hub id already in the local cache.
+- `learner` (`load_learner_model`): the architecture in the learner's weight store, random until
+  the weight subscription loads the learner's newest version into it.
 
 The tiny models are built exactly as `learner.models.tiny_llama` builds them (same config, same
 seeded initialisation), which the tests check tensor for tensor; producers cannot import the
@@ -15,10 +17,11 @@ learner, so the configuration values live here too.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from schemas.models import SMOLLM2_GGUF, smollm2_gguf
 from schemas.tokenizers import ByteTokenizer
@@ -59,3 +62,12 @@ def load_model(name: str, *, seed: int = 0, device: str = "cpu") -> torch.nn.Mod
         case _:
             model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, local_files_only=True)
     return model.to(device).eval()
+
+
+def load_learner_model(store: Path, *, device: str = "cpu") -> tuple[torch.nn.Module, str]:
+    """The learner's architecture from its weight store's `config.json`, in float32 on `device`
+    and in eval mode, with random weights; and the learner's model name, whose tokenizer goes
+    with it (`model.json`)."""
+    config = AutoConfig.from_pretrained(store, local_files_only=True)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.to(device).eval(), json.loads((store / "model.json").read_text())["name"]

@@ -51,13 +51,13 @@ from producers.generate.sim import SimConfig
 from producers.metrics import ProducerMetrics
 from producers.offsets import OffsetCommitter
 from producers.sandbox import Sandbox, SandboxConfig
-from producers.weights import WeightSubscriber
+from producers.weights import WeightSubscriber, learner_store
 from schemas import topics as T
 from schemas.kafka import (KafkaConfig, consumer_error, dead_letter, decode_or_dead_letter, ensure_topics,
                            make_consumer, make_producer, produce)
 from schemas.process import stop_on_signals
 from schemas.config import ConfigError
-from schemas.models import check_model
+from schemas.models import FROM_LEARNER, check_model
 from schemas.messages import Prompt, SchemaError, Trajectory
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,8 @@ class ProducerConfig:
     env: str = "toy-target"
     """Environment this producer plays; prompts for another env go to the DLQ."""
     model: str = "tiny-llama"
-    """Policy (and tokenizer): smollm2 | tiny-llama | tiny-llama-bytes | a local HF directory."""
+    """Policy (and tokenizer): smollm2 | tiny-llama | tiny-llama-bytes | a local HF directory | a hub id
+    in the local cache | learner (the learner's published architecture and tokenizer; hf backend)."""
     seed: int = 0
     """Seed of tiny random models and of sampling."""
     device: str = "cpu"
@@ -108,7 +109,9 @@ class ProducerConfig:
         if self.concurrency < 1:
             raise ConfigError(f"--concurrency {self.concurrency}: must be >= 1")
         if self.backend == "hf":  # the other backends name a model their server or engine knows
-            check_model(self.model)
+            check_model(self.model, from_learner=True)
+        if self.model == FROM_LEARNER and not (self.backend == "hf" and self.follow_weights):
+            raise ConfigError("--model learner: needs --backend hf and --follow-weights (it loads the learner's weights)")
         if not self.producer_id:
             self.producer_id = f"{socket.gethostname()}-{os.getpid()}"
 
@@ -159,9 +162,20 @@ def run(cfg: ProducerConfig, stop: threading.Event | None = None) -> None:
     from schemas.tokenizers import load_tokenizer  # transformers only once we run
 
     stop = stop_on_signals(stop)
-    env, params = make_parts(cfg, load_tokenizer(cfg.model))  # a misconfiguration fails before Kafka is asked
+    generator, model = None, cfg.model
+    if cfg.model == FROM_LEARNER:  # the architecture and tokenizer are the learner's: wait for them
+        from producers.generate.hf import HFGenerator
+        from producers.models import load_learner_model
+
+        ensure_topics(cfg.kafka)
+        if (store := learner_store(cfg.kafka, stop)) is None:
+            return
+        policy, model = load_learner_model(store, device=cfg.device)
+        generator = HFGenerator(policy, version=-1, seed=cfg.seed)  # no version until the learner's loads
+        log.info("--model learner: %s's architecture from %s", model, store)
+    env, params = make_parts(cfg, load_tokenizer(model))  # a misconfiguration fails before Kafka is asked
     ensure_topics(cfg.kafka)
-    generator = make_generator(cfg)
+    generator = generator or make_generator(cfg)
     player = Player(env=env, generator=generator, params=params, producer_id=cfg.producer_id,
                     tool_s=cfg.sim.tool_s if cfg.backend == "sim" else 0.0)
     metrics = ProducerMetrics(cfg.producer_id, cfg.metrics_port, cfg.log_every_s)
@@ -174,6 +188,8 @@ def run(cfg: ProducerConfig, stop: threading.Event | None = None) -> None:
             log.warning("weights backlog not read within 120 s; starting on version %d", generator.version)
         if sub is not None and isinstance(sub.error, ConfigError):  # e.g. not the learner's architecture
             raise sub.error
+        if generator.version < 0:
+            raise ConfigError("--model learner: none of the learner's announced weights loaded (see the log)")
         log.info("producer %s: %s backend, env %s, %d episodes in flight, weights v%d", cfg.producer_id,
                  cfg.backend, env.name, cfg.concurrency, generator.version)
         done = asyncio.run(Service(cfg, consumer, producer, player, metrics, sub, stop).run())

@@ -81,6 +81,35 @@ def _mismatch(w: Weights, e: ArchitectureMismatch) -> ConfigError:
                        f"than this producer's model: {e}")
 
 
+def learner_store(kafka: KafkaConfig, stop: threading.Event, poll_s: float = 0.5) -> Path | None:
+    """The learner's weight store folder, found through its first announcement on `sao.weights`
+    (waiting for one: a producer may start before the learner); None once `stop` is set. The
+    folder holds the `config.json` and `model.json` the learner writes at start (learner/store.py)."""
+    consumer = make_consumer(kafka, f"sao-weights-{uuid.uuid4().hex}")
+    try:
+        consumer.assign([TopicPartition(kafka.topic(T.WEIGHTS), 0, OFFSET_BEGINNING)])
+        waited = 0.0
+        while not stop.is_set():
+            msg = consumer.poll(poll_s)
+            if msg is None or consumer_error(msg):
+                waited += poll_s
+                if waited % 30 < poll_s:
+                    log.info("--model learner: waiting for the learner's first weights on %s", T.WEIGHTS)
+                continue
+            try:
+                folder = local_path(Weights.decode(msg.value() or b"").uri).parent
+            except (SchemaError, WeightsError) as e:
+                log.error("weights announcement at offset %d unusable: %s", msg.offset(), e)
+                continue
+            if (folder / "config.json").is_file() and (folder / "model.json").is_file():
+                return folder
+            raise ConfigError(f"--model learner: {folder} has no config.json and model.json; is the learner's "
+                              "weights dir shared with this producer, and is the learner up to date?")
+        return None
+    finally:
+        consumer.close()
+
+
 class WeightSubscriber:
     """A background thread that keeps `generator` on the newest loadable announced version."""
 

@@ -74,8 +74,8 @@ def commands(cfg: UpConfig, ports: dict[str, int]) -> dict[str, list[str]]:
                             "--batch-trajectories", str(cfg.batch_trajectories), "--max-steps", str(cfg.steps),
                             *cfg.learner_flags.split(), *kafka)}
     for name, port in ports.items():
-        # one seed for all: a tiny model's seed is its initial weights, which must be the learner's
-        cmds[name] = _sao("producer", "--env", cfg.env, "--model", cfg.model, "--seed", "0", "--producer-id", name,
+        # `--model learner`: the producers build the learner's published architecture and load its weights
+        cmds[name] = _sao("producer", "--env", cfg.env, "--model", "learner", "--producer-id", name,
                           "--max-tokens", str(cfg.max_tokens), "--metrics-port", str(port), "--log-every-s", "10",
                           *cfg.producer_flags.split(), *kafka)
     if cfg.judge:  # live rewards: pending trajectories -> judge -> sao.rewards -> joiner -> learner

@@ -2,15 +2,21 @@
 
 `ByteTokenizer` is a ChatML tokenizer over raw UTF-8 bytes for the tiny `tiny-llama-bytes` model:
 256 byte ids plus four special tokens, no files, no downloads. Real models' tokenizers come from
-transformers (imported only when one is asked for): SmolLM2's from its GGUF, or a folder's own.
+transformers (imported only when one is asked for): SmolLM2's from its GGUF, or a folder's (or
+cached hub model's) own; a folder without tokenizer files is a model over raw token ids, like the
+tiny ones.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from schemas.models import check_model, smollm2_gguf
+from schemas.models import BUILTIN_MODELS, cached_hub_file, check_model, smollm2_gguf
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+"""A folder (or cached hub model) with none of these has no tokenizer: a model over raw ids."""
 
 
 class ByteTokenizer:
@@ -54,16 +60,40 @@ class ByteTokenizer:
         return 256 + self.special.index(token) if token in self.special else None
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False,
-                            tokenize: bool = False) -> str | list[int]:
-        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+                            tokenize: bool = False, tools: list[dict] | None = None) -> str | list[int]:
+        """ChatML. `tools` are listed in the system turn, and an assistant's `tool_calls` render as
+        Hermes-style `<tool_call>{"name": …, "arguments": …}</tool_call>` blocks, the format the
+        rollout proxy (producers/proxy.py) parses back out of sampled text."""
+        turns = [[m["role"], (m.get("content") or "") + "".join(map(_tool_call, m.get("tool_calls") or ()))]
+                 for m in messages]
+        if tools:
+            listing = _TOOLS_HEADER + "\n".join(json.dumps(t) for t in tools)
+            if turns and turns[0][0] == "system":
+                turns[0][1] += "\n\n" + listing
+            else:
+                turns.insert(0, ["system", listing])
+        text = "".join(f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in turns)
         text += "<|im_start|>assistant\n" if add_generation_prompt else ""
         return self.encode(text) if tokenize else text
 
 
+_TOOLS_HEADER = 'Tools (call one as <tool_call>{"name": ..., "arguments": {...}}</tool_call>):\n'
+
+
+def _tool_call(call: dict) -> str:
+    """An OpenAI tool call (arguments a JSON string) as the block a model would sample."""
+    args = call["function"].get("arguments", "{}")
+    try:
+        args = json.loads(args) if isinstance(args, str) else args
+    except ValueError:
+        pass  # arguments that are not JSON render as the string they are
+    return "<tool_call>" + json.dumps({"name": call["function"]["name"], "arguments": args}) + "</tool_call>"
+
+
 def load_tokenizer(name: str):
-    """The tokenizer paired with model `name`; None for the raw-id tiny models (toy envs)."""
+    """The tokenizer paired with model `name`; None for models over raw ids (toy envs)."""
     check_model(name)
-    if name in ("tiny-llama", "tiny-qwen3-moe"):
+    if not has_tokenizer(name):
         return None
     if name == "tiny-llama-bytes":
         return ByteTokenizer()
@@ -72,4 +102,17 @@ def load_tokenizer(name: str):
     path = smollm2_gguf() if name == "smollm2" else Path(name)
     if path.suffix == ".gguf":
         return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return AutoTokenizer.from_pretrained(name, local_files_only=True)
+
+
+def has_tokenizer(name: str) -> bool:
+    """Whether model `name` has a tokenizer: the raw-id tiny models have none, a folder or cached
+    hub model has one if it holds tokenizer files."""
+    path = Path(name)
+    if name in ("tiny-llama", "tiny-qwen3-moe"):
+        return False
+    if name in BUILTIN_MODELS or path.suffix == ".gguf":
+        return True
+    if path.is_dir():
+        return any((path / f).is_file() for f in TOKENIZER_FILES)
+    return any(cached_hub_file(name, f) for f in TOKENIZER_FILES)
