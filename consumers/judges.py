@@ -9,7 +9,6 @@ Any other judge is `module:callable` with the same signature.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import re
 from collections.abc import Callable
@@ -17,6 +16,7 @@ from collections.abc import Callable
 import httpx
 
 from schemas.config import ConfigError
+from schemas.plugins import load_callable
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,6 @@ def load_judge(spec: str, *, llm_url: str = "", tokenizer=None) -> Judge:
             if not llm_url:
                 raise ConfigError("--judge llm needs --llm-url (a completions server such as `sao serve`)")
             return LLMJudge(llm_url, tokenizer)
-    module, _, name = spec.partition(":")
-    if not name:
+    if ":" not in spec:
         raise ConfigError(f"--judge {spec!r}: expected style, llm or module:callable")
-    return getattr(importlib.import_module(module), name)
+    return load_callable(spec, "--judge", ("prompt", "completion", "criterion"))

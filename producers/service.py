@@ -31,7 +31,6 @@ and a log line every `--log-every-s`.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import os
 import socket
@@ -42,7 +41,8 @@ from typing import Literal
 
 from confluent_kafka import KafkaException, TopicPartition
 
-from producers.envs import ENVS, make_env
+from producers.envs import build_env, check_env, env_factory, takes
+from producers.envs.text import TextEnv
 from producers.envs.chat import Chat
 from producers.episode import Player
 from producers.generate.base import Generator, SamplingParams
@@ -50,6 +50,7 @@ from producers.generate.http import InvalidGeneration
 from producers.generate.sim import SimConfig
 from producers.metrics import ProducerMetrics
 from producers.offsets import OffsetCommitter
+from producers.rewards import RewardError, scorer
 from producers.sandbox import Sandbox, SandboxConfig
 from producers.weights import WeightSubscriber, learner_store
 from schemas import topics as T
@@ -71,7 +72,11 @@ class ProducerConfig:
     concurrency: int = 8
     """Episodes in flight at once; the generator batches their requests."""
     env: str = "toy-target"
-    """Environment this producer plays; prompts for another env go to the DLQ."""
+    """Environment this producer plays: a built-in name, an installed package's `sao.envs` entry
+    point, or module:attr (an Env, or a gym-style text env); prompts for another env go to the DLQ."""
+    reward: str = ""
+    """module:function(task, text, trajectory) -> float | None giving each episode's outcome reward
+    in place of the env's (None: to sao.trajectories.pending); empty: the env's own reward."""
     model: str = "tiny-llama"
     """Policy (and tokenizer): smollm2 | tiny-llama | tiny-llama-bytes | a local HF directory | a hub id
     in the local cache | learner (the learner's published architecture and tokenizer; hf backend)."""
@@ -104,8 +109,7 @@ class ProducerConfig:
     kafka: KafkaConfig = field(default_factory=KafkaConfig)
 
     def __post_init__(self):
-        if self.env not in ENVS:
-            raise ConfigError(f"--env {self.env!r}: unknown; known: {sorted(ENVS)}")
+        env_factory(self.env)  # an unknown name or a plug-in that does not import fails here
         if self.concurrency < 1:
             raise ConfigError(f"--concurrency {self.concurrency}: must be >= 1")
         if self.backend == "hf":  # the other backends name a model their server or engine knows
@@ -135,16 +139,21 @@ def make_generator(cfg: ProducerConfig) -> Generator:
 
 
 def make_parts(cfg: ProducerConfig, tokenizer) -> tuple:
-    """The environment and sampling params; the env gets the settings its constructor takes."""
+    """The environment (checked on one smoke task), the sampling params, and the --reward scorer
+    (None without one); the env gets the settings its constructor takes."""
     offered = {"tokenizer": lambda: tokenizer, "sandbox": lambda: Sandbox(cfg.sandbox),
                "max_turns": lambda: cfg.max_turns}
-    takes = inspect.signature(ENVS[cfg.env]).parameters
-    if "tokenizer" in takes and tokenizer is None:  # else every prompt would be dead-lettered
-        raise ConfigError(f"--env {cfg.env} needs a tokenizer and --model {cfg.model} has none "
-                          "(try tiny-llama-bytes or smollm2)")
-    env = make_env(cfg.env, **{k: make() for k, make in offered.items() if k in takes})
+    env = build_env(cfg.env, offered)
+    for needs, flag in ((takes(env_factory(cfg.env), "tokenizer") or isinstance(env, TextEnv), f"--env {cfg.env}"),
+                        (bool(cfg.reward), f"--reward {cfg.reward}")):
+        if needs and tokenizer is None:  # else every prompt would be dead-lettered
+            raise ConfigError(f"{flag} needs a tokenizer and --model {cfg.model} has none "
+                              "(try tiny-llama-bytes or smollm2)")
+    if tokenizer is not None:  # the toy envs' episodes are raw ids; text envs' need the tokenizer
+        check_env(env)
+    score = scorer(cfg.reward, tokenizer) if cfg.reward else None
     stops = Chat(tokenizer).stop_token_ids() if tokenizer is not None else ()
-    return env, SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens, stop_token_ids=stops)
+    return env, SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens, stop_token_ids=stops), score
 
 
 async def deliver(producer, topic: str, traj: Trajectory) -> None:
@@ -173,7 +182,7 @@ def run(cfg: ProducerConfig, stop: threading.Event | None = None) -> None:
         policy, model = load_learner_model(store, device=cfg.device)
         generator = HFGenerator(policy, version=-1, seed=cfg.seed)  # no version until the learner's loads
         log.info("--model learner: %s's architecture from %s", model, store)
-    env, params = make_parts(cfg, load_tokenizer(model))  # a misconfiguration fails before Kafka is asked
+    env, params, score = make_parts(cfg, load_tokenizer(model))  # a misconfiguration fails before Kafka is asked
     ensure_topics(cfg.kafka)
     generator = generator or make_generator(cfg)
     player = Player(env=env, generator=generator, params=params, producer_id=cfg.producer_id,
@@ -192,7 +201,7 @@ def run(cfg: ProducerConfig, stop: threading.Event | None = None) -> None:
             raise ConfigError("--model learner: none of the learner's announced weights loaded (see the log)")
         log.info("producer %s: %s backend, env %s, %d episodes in flight, weights v%d", cfg.producer_id,
                  cfg.backend, env.name, cfg.concurrency, generator.version)
-        done = asyncio.run(Service(cfg, consumer, producer, player, metrics, sub, stop).run())
+        done = asyncio.run(Service(cfg, consumer, producer, player, metrics, sub, stop, score).run())
     finally:
         producer.flush(30)
         consumer.close()  # commits nothing new: offsets were committed as prompts were delivered; leaves the group
@@ -207,9 +216,9 @@ class Service:
     in flight, serve delivery callbacks, and commit the delivered prefix of each partition."""
 
     def __init__(self, cfg: ProducerConfig, consumer, producer, player: Player, metrics: ProducerMetrics,
-                 sub: WeightSubscriber | None, stop: threading.Event):
+                 sub: WeightSubscriber | None, stop: threading.Event, score=None):
         self.cfg, self.consumer, self.producer, self.player = cfg, consumer, producer, player
-        self.metrics, self.sub, self.stop = metrics, sub, stop
+        self.metrics, self.sub, self.stop, self.score = metrics, sub, stop, score
         self.offsets = OffsetCommitter(consumer, cfg.kafka.topic(T.PROMPTS))
         self.in_flight: dict[asyncio.Task, int] = {}  # episode -> its prompt's partition
         self.held: list = []  # messages polled while every slot was busy, taken first
@@ -289,9 +298,11 @@ class Service:
     async def _episode(self, msg, prompt: Prompt) -> None:
         try:
             traj = await self.player.play(prompt)
+            if self.score is not None:  # --reward: the outcome is the function's, not the env's
+                traj = await asyncio.to_thread(self.score, prompt.task, traj)
             await deliver(self.producer, self.topics[traj.reward is not None], traj)
             self.metrics.episode(traj)
-        except (SchemaError, InvalidGeneration) as e:  # this prompt cannot be played: DLQ it
+        except (SchemaError, InvalidGeneration, RewardError) as e:  # cannot be played or scored: DLQ it
             dead_letter(self.producer, self.cfg.kafka, msg, e)
             self.producer.flush(30)  # the dead letter is durable before the offset moves
             self.metrics.error(type(e).__name__)
