@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections
 import hmac
-import ipaddress
 import json
 import logging
 import threading
@@ -24,7 +23,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from consumers.rewards import RewardPublisher
 from schemas import topics as T
-from schemas.config import ConfigError
+from schemas.config import ConfigError, is_loopback
 from schemas.kafka import KafkaConfig, consumer_error, make_consumer
 from schemas.messages import Reward, SchemaError
 from schemas.process import stop_on_signals
@@ -51,15 +50,8 @@ class ServeConfig:
     kafka: KafkaConfig = field(default_factory=KafkaConfig)
 
     def __post_init__(self):
-        if not self.reward_token and not _is_loopback(self.host):
+        if not self.reward_token and not is_loopback(self.host):
             raise ConfigError(f"--host {self.host} is beyond loopback: set --reward-token (SAO_REWARD_TOKEN)")
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class SeenIds:

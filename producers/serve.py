@@ -1,45 +1,59 @@
-"""`sao serve`: an OpenAI-compatible completions endpoint over the `hf` backend, for `--backend http`.
+"""`sao serve`: an OpenAI-compatible endpoint over the `hf` backend, for `--backend http` producers
+and, as a rollout proxy, for external agents.
 
-It speaks the subset of `vllm serve`'s `POST /v1/completions` that producers use (VLLM.md §3.2):
-a token-id `prompt`, `logprobs: 0`, `return_token_ids`, explicit sampling fields. Each choice
-also carries `weight_versions`, spans `{version, start, end}` over its output tokens, because the
-server follows `sao.weights` itself (same subscription as a producer) and may swap weights in the
-middle of a request. `GET /weight_info` reports the live version, `GET /health` answers 200.
+- `POST /v1/completions`: token ids in, token ids, log-probs and weight versions out (producers).
+- `POST /v1/chat/completions`: chat messages and tools through the model's chat template, streamed
+  (SSE) or not. With a session (`X-SAO-Session: new` or `"session": "new"`, then the receipt id
+  that comes back in the header and the body's `session`), the turns of an external agent become
+  one trajectory, assembled from the exact token ids sampled (producers/proxy.py).
+- `POST /v1/sessions/{id}/close` with an optional `{"reward": number}`: publishes the session's
+  trajectory to `sao.trajectories`, or without a reward to `sao.trajectories.pending`, where a
+  reward sent later for the receipt on `sao.rewards` is joined by `sao reward-join`.
+- `GET /health`, `GET /weight_info` (the live version), `GET /v1/models`.
 
-Requests that would sample from anything but `softmax(logits / T)` (penalties, min_p, logit
-bias, logprobs > 0, n > 1, streaming) are refused with 400 rather than silently served: the
-returned log-probs must be those of the distribution actually sampled from. Each request has its
-own thread (standard library HTTP server) that submits to the hf backend's running batch and
-waits, so concurrent requests share decode steps exactly as a producer's episodes in flight do.
+The server follows `sao.weights` itself (same subscription as a producer) and may swap weights in
+the middle of a request, hence per-token versions. Each request has its own thread (standard
+library HTTP server) that submits to the hf backend's running batch and waits, so concurrent
+requests share decode steps exactly as a producer's episodes in flight do.
+
+Guards, all answered before any generation: a bearer token on every POST when `--serve-token` is
+set (required beyond loopback: they decide what is trained); a body of at most 1 MiB + 64 bytes per
+context position; a prompt plus max_tokens within the model's context window (400); at most
+`--max-concurrent` generating requests (429 with Retry-After past it).
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
+import queue
+import re
+import socket
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-import numpy as np
-
+from producers.api import (assistant_reply, chat_chunk, chat_logprobs, chat_response, completion_response,
+                           finish_reason, parse_chat, parse_request, version_spans)
+from producers.envs.chat import Chat
 from producers.generate.base import Generation, SamplingParams
 from producers.generate.hf import HFGenerator
 from producers.models import load_model
-from schemas.tokenizers import load_tokenizer
+from producers.proxy import RequestError, Sessions, check_context, kafka_publisher, streamable
 from producers.weights import WeightSubscriber
 from schemas import topics as T
-from schemas.kafka import KafkaConfig, ensure_topics
+from schemas.config import ConfigError, is_loopback
+from schemas.kafka import KafkaConfig, ensure_topics, make_producer
 from schemas.models import check_model
 from schemas.process import stop_on_signals
+from schemas.tokenizers import load_tokenizer
 
 log = logging.getLogger(__name__)
 
-_NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0}
-_UNSUPPORTED = ("logit_bias", "bad_words", "allowed_token_ids", "min_tokens", "stop", "echo",
-                "guided_json", "guided_regex", "guided_choice", "structured_outputs", "prompt_logprobs")
+_CLOSE = re.compile(r"/v1/sessions/([^/]+)/close")
 
 
 @dataclass(kw_only=True)
@@ -51,97 +65,49 @@ class ServeConfig:
     device: str = "cpu"
     """torch device of the model."""
     host: str = "127.0.0.1"
-    """Address to bind; the endpoint has no authentication, keep it on a trusted network."""
+    """Address to bind; anything beyond loopback needs `--serve-token`."""
     port: int = 8000
     """Port to bind (0 picks a free one and logs it)."""
+    serve_token: str = ""
+    """Bearer token every POST must carry (`SAO_SERVE_TOKEN`); empty allows none, on loopback only."""
     max_tokens: int = 4096
     """Largest max_tokens a request may ask for."""
+    max_concurrent: int = 64
+    """Most requests generating at once; past it the answer is 429 with Retry-After."""
+    session_idle_s: float = 600.0
+    """Seconds a rollout-proxy session may stay idle before it is published, truncated, to pending."""
+    producer_id: str = ""
+    """`producer_id` of the proxy's trajectories ("" → serve-<hostname>)."""
     follow_weights: bool = True
     """Subscribe to sao.weights and swap in new versions."""
     kafka: KafkaConfig = field(default_factory=KafkaConfig)
 
     def __post_init__(self):
         check_model(self.model)
-
-
-class BadRequest(ValueError):
-    pass
-
-
-def parse_request(body: dict, max_tokens: int = 4096) -> tuple[list[int], SamplingParams]:
-    """Prompt ids and sampling params of a completions request; BadRequest names the bad field."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
-        prompt = prompt[0]  # a batch of one
-    if not (isinstance(prompt, list) and prompt and
-            all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)):
-        raise BadRequest("prompt: expected a non-empty list of token ids (text prompts are not served)")
-    if body.get("n", 1) != 1 or body.get("stream"):
-        raise BadRequest("n/stream: only n=1 without streaming is served")
-    if body.get("logprobs") not in (None, 0):
-        raise BadRequest("logprobs: only 0 (the sampled token's log-prob) is served")
-    for name, neutral in _NEUTRAL.items():
-        if body.get(name, neutral) != neutral:
-            raise BadRequest(f"{name}: must be {neutral}; it would change the sampled distribution")
-    for name in _UNSUPPORTED:
-        if body.get(name):
-            raise BadRequest(f"{name}: not supported")
-    temperature, top_p, top_k = body.get("temperature", 1.0), body.get("top_p", 1.0), body.get("top_k", -1)
-    n_tokens, stop = body.get("max_tokens", 16), body.get("stop_token_ids") or []
-    if not isinstance(temperature, (int, float)) or not temperature > 0:
-        raise BadRequest("temperature: must be > 0 (log-probs need a distribution)")
-    if not isinstance(n_tokens, int) or not 1 <= n_tokens <= max_tokens:
-        raise BadRequest(f"max_tokens: must be an integer in [1, {max_tokens}]")
-    if not isinstance(top_k, int) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
-        raise BadRequest("top_k/top_p: top_k an integer (-1 or 0: off), top_p in (0, 1]")
-    if not isinstance(stop, list) or not all(isinstance(t, int) for t in stop):
-        raise BadRequest("stop_token_ids: expected a list of token ids")
-    seed = body.get("seed")
-    return prompt, SamplingParams(temperature=float(temperature), max_tokens=n_tokens,
-                                  top_p=float(top_p), top_k=max(top_k, 0), stop_token_ids=tuple(stop),
-                                  seed=seed if isinstance(seed, int) else None)
-
-
-def version_spans(versions: np.ndarray) -> list[dict]:
-    """[{version, start, end}] runs of equal versions over output-token indexes."""
-    spans = []
-    for i, v in enumerate(versions.tolist()):
-        if spans and spans[-1]["version"] == v:
-            spans[-1]["end"] = i + 1
-        else:
-            spans.append({"version": v, "start": i, "end": i + 1})
-    return spans
-
-
-def completion_response(out: Generation, prompt_ids: list[int], model: str, text: str) -> dict:
-    tokens, logprobs = out.token_ids.tolist(), out.logprobs.tolist()
-    names = [f"token_id:{t}" for t in tokens]
-    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": model,
-            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(tokens),
-                      "total_tokens": len(prompt_ids) + len(tokens)},
-            "choices": [{"index": 0, "text": text, "finish_reason": out.finish_reason,
-                         "stop_reason": tokens[-1] if out.finish_reason == "stop" else None,
-                         "token_ids": tokens, "prompt_token_ids": prompt_ids,
-                         "logprobs": {"tokens": names, "token_logprobs": logprobs,
-                                      "top_logprobs": [{n: x} for n, x in zip(names, logprobs)],
-                                      "text_offset": []},
-                         "weight_versions": version_spans(out.versions)}]}
+        if not self.serve_token and not is_loopback(self.host):
+            raise ConfigError(f"--host {self.host} is beyond loopback: set --serve-token (SAO_SERVE_TOKEN)")
+        if self.max_concurrent < 1 or self.session_idle_s <= 0:
+            raise ConfigError("--max-concurrent must be >= 1 and --session-idle-s > 0")
 
 
 def make_server(gen: HFGenerator, tokenizer, *, host: str = "127.0.0.1", port: int = 0,
-                model_name: str = "default", max_tokens: int = 4096) -> ThreadingHTTPServer:
-    """The HTTP server (not yet serving); `server.server_address` has the bound port."""
-    vocab = gen.model.config.vocab_size
+                model_name: str = "default", max_tokens: int = 4096, token: str = "",
+                max_concurrent: int = 64, sessions: Sessions | None = None) -> ThreadingHTTPServer:
+    """The HTTP server (not yet serving); `server.server_address` has the bound port. Chat needs
+    `sessions` (built on the model's chat template)."""
+    vocab, context = gen.model.config.vocab_size, gen.model.config.max_position_embeddings
+    max_body = (1 << 20) + 64 * context  # room for any prompt that fits, JSON-escaped
+    slots = threading.BoundedSemaphore(max_concurrent)
+    expected = f"Bearer {token}".encode()
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
-        def _send(self, status: int, payload: dict) -> None:
+        def _send(self, status: int, payload: dict, headers: dict | None = None) -> None:
             data = json.dumps(payload).encode()
             self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
+            for k, v in {"Content-Type": "application/json", "Content-Length": str(len(data)), **(headers or {})}.items():
+                self.send_header(k, v)
             self.end_headers()
             self.wfile.write(data)
 
@@ -153,25 +119,134 @@ def make_server(gen: HFGenerator, tokenizer, *, host: str = "127.0.0.1", port: i
             self._send(200, route()) if route else self._send(404, {"error": {"message": "not found"}})
 
         def do_POST(self):
-            if self.path != "/v1/completions":
+            close = _CLOSE.fullmatch(self.path)
+            route = {"/v1/completions": self._completions, "/v1/chat/completions": self._chat}.get(self.path)
+            if route is None and close is None:
                 return self._send(404, {"error": {"message": "not found"}})
             try:
-                length = int(self.headers.get("Content-Length", 0))
-                if length > 64 << 20:
-                    raise BadRequest("body larger than 64 MiB")
-                body = json.loads(self.rfile.read(length) or b"null")
-                prompt, params = parse_request(body if isinstance(body, dict) else {}, max_tokens)
-                if max(prompt) >= vocab:
-                    raise BadRequest(f"prompt: token id {max(prompt)} outside the vocabulary ({vocab})")
-            except (BadRequest, ValueError) as e:  # json errors are ValueErrors
-                return self._send(400, {"error": {"message": str(e), "type": "invalid_request_error"}})
+                body = self._body()
+                if token and not hmac.compare_digest(self.headers.get("Authorization", "").encode(), expected):
+                    raise RequestError("missing or wrong bearer token (Authorization: Bearer <--serve-token>)", 401)
+                if close is not None:
+                    return self._close(close.group(1), body)
+                if not slots.acquire(blocking=False):
+                    raise RequestError(f"{max_concurrent} requests are in flight (--max-concurrent); retry", 429)
+                try:
+                    route(body)
+                finally:
+                    slots.release()
+            except RequestError as e:
+                headers = {"Retry-After": "1"} if e.status == 429 else {}
+                if e.status == 401:
+                    headers["WWW-Authenticate"] = "Bearer"
+                self._send(e.status, {"error": {"message": str(e), "type": "invalid_request_error", "code": e.status}},
+                           headers)
+
+        def _body(self) -> dict:
             try:
-                out = gen.submit(prompt, params).result()
+                length = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                length = -1
+            if not 0 <= length <= max_body:
+                self.close_connection = True  # the body is never read
+                raise RequestError(f"request body of {length} bytes: must be at most {max_body} (1 MiB + 64 "
+                                   f"bytes per position of the model's {context}-token context window)")
+            try:
+                body = json.loads(self.rfile.read(length) or b"{}")
+            except ValueError as e:  # also bad UTF-8
+                raise RequestError(f"body: not valid JSON ({e})") from None
+            if not isinstance(body, dict):
+                raise RequestError("body: expected a JSON object")
+            return body
+
+        def _generate(self, prompt: list[int], params: SamplingParams) -> Generation:
+            try:
+                return gen.submit(prompt, params).result()
             except Exception as e:  # answer 500 rather than drop the connection; the client retries
                 log.exception("generation failed")
-                return self._send(500, {"error": {"message": f"generation failed: {e}"}})
+                raise RequestError(f"generation failed: {e}", 500) from e
+
+        def _completions(self, body: dict) -> None:
+            prompt, params = parse_request(body, max_tokens)
+            check_context(len(prompt), params.max_tokens, context)
+            if max(prompt) >= vocab:
+                raise RequestError(f"prompt: token id {max(prompt)} outside the vocabulary ({vocab})")
+            out = self._generate(prompt, params)
             text = tokenizer.decode(out.token_ids.tolist()) if tokenizer is not None else ""
             self._send(200, completion_response(out, prompt, model_name, text))
+
+        def _chat(self, body: dict) -> None:
+            if sessions is None:
+                raise RequestError("chat: this model has no tokenizer (no chat template); use /v1/completions")
+            req = parse_chat(body, max_tokens, self.headers.get("X-SAO-Session"))
+            s, prompt, params = sessions.begin(req.session, req.messages, req.tools, req.params, req.max_tokens,
+                                               req.prompt_id)
+            receipt = {"X-SAO-Session": s.id} if s.id else {}
+            try:
+                if req.stream:
+                    return self._stream(req, s, prompt, params)
+                out = self._generate(prompt, params)
+                reply = assistant_reply(sessions.chat.decode(out.token_ids), req.parse_tools)
+                sessions.finish(s, req.messages, prompt, out, reply)  # before the answer: the next turn may follow at once
+            finally:
+                sessions.abort(s)
+            self._send(200, chat_response(out, len(prompt), model_name, reply, session=s.id or None,
+                                          logprobs=req.logprobs), receipt)
+
+        def _stream(self, req, s, prompt: list[int], params: SamplingParams) -> None:
+            """SSE: a chunk per decodable piece of text, the tool calls and finish reason last, then [DONE]."""
+            head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
+                    "created": int(time.time()), "model": model_name, "session": s.id or None}
+            self.send_response(200)
+            for k, v in {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "close",
+                         **({"X-SAO-Session": s.id} if s.id else {})}.items():
+                self.send_header(k, v)
+            self.end_headers()
+            self.close_connection = True  # the stream ends when the connection does
+            tokens: queue.SimpleQueue = queue.SimpleQueue()
+            future = gen.submit(prompt, params, tokens.put)
+            future.add_done_callback(lambda f: tokens.put(None))
+            self._event(chat_chunk(head, {"role": "assistant", "content": ""}))
+            sampled, sent, text = [], 0, ""
+            try:
+                while (t := tokens.get()) is not None:
+                    sampled.append(t)
+                    text = sessions.chat.decode(sampled)
+                    n = streamable(text, req.parse_tools)
+                    if n > sent:
+                        self._event(chat_chunk(head, {"content": text[sent:n]}))
+                        sent = n
+                out: Generation = future.result()
+            except OSError as e:  # the client is gone: its turn is not recorded
+                future.cancel()
+                log.info("stream ended by the client: %s", e)
+                return
+            except Exception as e:  # the generation failed after the 200 was sent
+                log.exception("generation failed")
+                return self._event({"error": {"message": f"generation failed: {e}", "code": 500}})
+            reply = assistant_reply(text, req.parse_tools)
+            sessions.finish(s, req.messages, prompt, out, reply)
+            delta = {"content": reply["content"][sent:]} if reply["content"][sent:] else {}
+            if reply.get("tool_calls"):
+                delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(reply["tool_calls"])]
+            self._event(chat_chunk(head, delta, finish_reason=finish_reason(out, reply),
+                                   logprobs=chat_logprobs(out) if req.logprobs else None,
+                                   token_ids=out.token_ids.tolist(), weight_versions=version_spans(out.versions)))
+            if req.usage_chunk:
+                n = len(out.token_ids)
+                self._event({**head, "choices": [], "usage": {"prompt_tokens": len(prompt), "completion_tokens": n,
+                                                              "total_tokens": len(prompt) + n}})
+            self.wfile.write(b"data: [DONE]\n\n")
+
+        def _event(self, payload: dict) -> None:
+            self.wfile.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+
+        def _close(self, receipt: str, body: dict) -> None:
+            if sessions is None:
+                raise RequestError("sessions: this model has no tokenizer (no chat template)", 404)
+            traj, topic = sessions.close(receipt, body.get("reward"))
+            self._send(200, {"session": receipt, "trajectory_id": traj.id, "topic": topic, "reward": traj.reward,
+                             "num_turns": traj.num_turns, "num_tokens": traj.num_tokens})
 
         def log_message(self, fmt, *args):
             log.debug("%s " + fmt, self.address_string(), *args)
@@ -183,22 +258,31 @@ def make_server(gen: HFGenerator, tokenizer, *, host: str = "127.0.0.1", port: i
 
 def run(cfg: ServeConfig) -> None:
     gen = HFGenerator(load_model(cfg.model, seed=cfg.seed, device=cfg.device), seed=cfg.seed)
-    server = make_server(gen, load_tokenizer(cfg.model), host=cfg.host, port=cfg.port,
-                         model_name=cfg.model, max_tokens=cfg.max_tokens)
+    tokenizer = load_tokenizer(cfg.model)
+    ensure_topics(cfg.kafka, [T.TRAJECTORIES, T.PENDING] + ([T.WEIGHTS] if cfg.follow_weights else []))
+    producer = make_producer(cfg.kafka)
+    sessions = None if tokenizer is None else Sessions(
+        Chat(tokenizer), kafka_publisher(producer, cfg.kafka), context=gen.model.config.max_position_embeddings,
+        idle_s=cfg.session_idle_s, producer_id=cfg.producer_id or f"serve-{socket.gethostname()}")
+    server = make_server(gen, tokenizer, host=cfg.host, port=cfg.port, model_name=cfg.model,
+                         max_tokens=cfg.max_tokens, token=cfg.serve_token, max_concurrent=cfg.max_concurrent,
+                         sessions=sessions)
     stop = stop_on_signals()
     threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
     sub = None
     try:
         if cfg.follow_weights:
-            ensure_topics(cfg.kafka, [T.WEIGHTS])
             sub = WeightSubscriber(cfg.kafka, gen).start()
-        log.info("serving %s on http://%s:%d (weights version %d)", cfg.model,
-                 *server.server_address[:2], gen.version)
+        log.info("serving %s on http://%s:%d (weights version %d; bearer token %s)", cfg.model,
+                 *server.server_address[:2], gen.version, "required" if cfg.serve_token else "not required")
         while not stop.wait(1.0):
             if sub is not None and sub.error is not None:
                 raise RuntimeError("weights subscription died") from sub.error
     finally:
         server.shutdown()
         server.server_close()
+        if sessions is not None:
+            sessions.close_all()  # open sessions are published, truncated
         if sub is not None:
             sub.close()
+        producer.flush(30)

@@ -7,6 +7,7 @@ A field `batch_size` of a service config reads `SAO_BATCH_SIZE`; a field `bootst
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import types
 import typing
@@ -22,6 +23,14 @@ _FALSE = {"0", "false", "no", "off"}
 
 class ConfigError(ValueError):
     """A setting that cannot be used; the message names the variable or flag to change."""
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` keeps a server on this machine (endpoints beyond it need a token)."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _convert(raw: str, tp: Any, name: str) -> Any:

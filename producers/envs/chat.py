@@ -46,11 +46,14 @@ class Chat:
     def observation_ids(self, action_ids: Sequence[int], text: str) -> list[int]:
         """Tokens that close the model's turn (unless its stop token already did), add `text` as a
         user turn, and open the next assistant turn."""
-        close = self.turn_end
+        return self.encode(self.closing(action_ids) + self.next_turn.replace(_OBS, text))
+
+    def closing(self, action_ids: Sequence[int]) -> str:
+        """What the template adds after the model's turn `action_ids` to end it: `turn_end`, less
+        the stop token the model already sampled."""
         if action_ids and action_ids[-1] in self.stop_token_ids():
-            last = self.tokenizer.decode([action_ids[-1]])
-            close = close.removeprefix(last)
-        return self.encode(close + self.next_turn.replace(_OBS, text))
+            return self.turn_end.removeprefix(self.tokenizer.decode([action_ids[-1]]))
+        return self.turn_end
 
     def stop_token_ids(self) -> tuple[int, ...]:
         """Ids that end an assistant turn: the template's end-of-turn token and the EOS."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -64,6 +64,7 @@ class _Request:
     params: SamplingParams
     rng: torch.Generator
     future: Future
+    on_token: Callable[[int], None] | None = None  # called in the engine thread: keep it cheap
     start: float = field(default_factory=time.perf_counter)
     cached: int = 0  # tokens of this sequence in the KV cache
     tokens: list[int] = field(default_factory=list)
@@ -76,6 +77,8 @@ class _Request:
         self.tokens.append(token)
         self.logprobs.append(logp)
         self.versions.append(version)
+        if self.on_token is not None:
+            self.on_token(token)
         return token in self.params.stop_token_ids or len(self.tokens) >= self.params.max_tokens
 
     def finish(self) -> None:
@@ -146,11 +149,13 @@ class HFGenerator:
             self.model.load_state_dict(state, strict=True)
             self._version = version
 
-    def submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> Future:
-        """Queue a request for the running batch; the future resolves to its Generation."""
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams,
+               on_token: Callable[[int], None] | None = None) -> Future:
+        """Queue a request for the running batch; the future resolves to its Generation.
+        `on_token(id)` sees each token as it is sampled (streaming), from the engine thread."""
         check_request(prompt_ids, params)
         rng = self._rng if params.seed is None else torch.Generator(self.device).manual_seed(params.seed)
-        req = _Request([int(t) for t in prompt_ids], params, rng, Future())
+        req = _Request([int(t) for t in prompt_ids], params, rng, Future(), on_token)
         with self._wake:
             self._waiting.append(req)
             self._wake.notify()

@@ -23,7 +23,9 @@ from producers.generate.hf import HFGenerator
 from producers.generate.http import HttpGenerator
 from producers.models import TINY_LLAMA, TINY_LLAMA_BYTES, load_model
 from schemas.tokenizers import load_tokenizer
-from producers.serve import BadRequest, make_server, parse_request, version_spans
+from producers.api import parse_request, version_spans
+from producers.proxy import RequestError
+from producers.serve import make_server
 from producers.weights import WeightSubscriber
 from tests.producers.util import announcement, publish, wait_until, write_weights
 
@@ -129,14 +131,14 @@ def test_the_server_follows_weights_and_reports_versions_per_token(kafka_cfg, tm
 
 @pytest.mark.parametrize("change, field", [
     ({"prompt": "text"}, "prompt"), ({"prompt": []}, "prompt"), ({"prompt": [1, -2]}, "prompt"),
-    ({"n": 2}, "n/stream"), ({"stream": True}, "n/stream"), ({"logprobs": 5}, "logprobs"),
+    ({"n": 2}, "n"), ({"stream": True}, "stream"), ({"logprobs": 5}, "logprobs"),
     ({"presence_penalty": 0.5}, "presence_penalty"), ({"repetition_penalty": 1.1}, "repetition_penalty"),
     ({"min_p": 0.1}, "min_p"), ({"logit_bias": {"3": 1}}, "logit_bias"), ({"temperature": 0}, "temperature"),
     ({"max_tokens": 0}, "max_tokens"), ({"top_p": 0}, "top_k/top_p"), ({"stop_token_ids": ["a"]}, "stop_token_ids"),
 ])
 def test_requests_that_change_the_distribution_are_refused(change, field):
     body = {"prompt": [1, 2], "max_tokens": 4, "logprobs": 0, **change}
-    with pytest.raises(BadRequest, match=f"^{field}"):
+    with pytest.raises(RequestError, match=f"^{field}"):
         parse_request(body)
 
 

@@ -1,0 +1,167 @@
+"""The OpenAI-compatible request and response shapes of `sao serve`, as pure functions.
+
+`POST /v1/completions` is the subset of `vllm serve` that producers use (VLLM.md §3.2): a token-id
+`prompt`, `logprobs: 0`, `return_token_ids`, explicit sampling fields. `POST /v1/chat/completions`
+takes OpenAI chat messages (and `tools`), streamed or not; its replies carry the sampled
+`token_ids` and, like completions, `weight_versions`: spans `{version, start, end}` over the
+output tokens, since weights may change in the middle of a request.
+
+Both refuse, with a 400 naming the field, what would sample from anything but `softmax(logits / T)`
+(penalties, min_p, logit bias, stop strings, guided decoding, n > 1, alternatives in `logprobs`): the
+log-probs returned, and trained on, must be those of the distribution actually sampled from.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+
+from producers.generate.base import Generation, SamplingParams
+from producers.proxy import RequestError, normalize, parse_tool_calls
+
+_NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0}
+_UNSUPPORTED = ("logit_bias", "bad_words", "allowed_token_ids", "min_tokens", "stop", "echo",
+                "guided_json", "guided_regex", "guided_choice", "structured_outputs", "prompt_logprobs",
+                "functions", "function_call", "top_logprobs")
+
+
+def parse_sampling(body: dict, n_tokens, max_tokens: int) -> SamplingParams:
+    """The sampling fields both endpoints share; RequestError names the bad one."""
+    if body.get("n", 1) != 1:
+        raise RequestError("n: only n=1 is served")
+    for name, neutral in _NEUTRAL.items():
+        if body.get(name, neutral) != neutral:
+            raise RequestError(f"{name}: must be {neutral}; it would change the sampled distribution")
+    for name in _UNSUPPORTED:
+        if body.get(name):
+            raise RequestError(f"{name}: not supported")
+    temperature, top_p, top_k = body.get("temperature", 1.0), body.get("top_p", 1.0), body.get("top_k", -1)
+    stop = body.get("stop_token_ids") or []
+    if not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise RequestError("temperature: must be > 0 (log-probs need a distribution)")
+    if not isinstance(n_tokens, int) or not 1 <= n_tokens <= max_tokens:
+        raise RequestError(f"max_tokens: must be an integer in [1, {max_tokens}]")
+    if not isinstance(top_k, int) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise RequestError("top_k/top_p: top_k an integer (-1 or 0: off), top_p in (0, 1]")
+    if not isinstance(stop, list) or not all(isinstance(t, int) for t in stop):
+        raise RequestError("stop_token_ids: expected a list of token ids")
+    seed = body.get("seed")
+    return SamplingParams(temperature=float(temperature), max_tokens=n_tokens, top_p=float(top_p),
+                          top_k=max(top_k, 0), stop_token_ids=tuple(stop), seed=seed if isinstance(seed, int) else None)
+
+
+def parse_request(body: dict, max_tokens: int = 4096) -> tuple[list[int], SamplingParams]:
+    """Prompt ids and sampling params of a completions request; RequestError names the bad field."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+        prompt = prompt[0]  # a batch of one
+    if not (isinstance(prompt, list) and prompt and
+            all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)):
+        raise RequestError("prompt: expected a non-empty list of token ids (text prompts are not served)")
+    if body.get("stream"):
+        raise RequestError("stream: completions are not streamed")
+    if body.get("logprobs") not in (None, 0):
+        raise RequestError("logprobs: only 0 (the sampled token's log-prob) is served")
+    return prompt, parse_sampling(body, body.get("max_tokens", 16), max_tokens)
+
+
+@dataclass(kw_only=True)
+class ChatRequest:
+    messages: list[dict]
+    tools: list | None
+    params: SamplingParams
+    max_tokens: int | None
+    """None: as many as fit the context window (capped by the server's max_tokens)."""
+    stream: bool
+    logprobs: bool
+    usage_chunk: bool
+    """Streaming: send a last chunk with the usage (stream_options.include_usage)."""
+    parse_tools: bool
+    session: str | None
+    prompt_id: str | None
+
+
+def parse_chat(body: dict, max_tokens: int = 4096, session: str | None = None) -> ChatRequest:
+    """A chat request; `session` (the X-SAO-Session header) stands in for a missing `session` field."""
+    tools = body.get("tools") or None
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise RequestError("tools: expected a list of objects")
+    choice = body.get("tool_choice")
+    if choice not in (None, "auto", "none"):
+        raise RequestError("tool_choice: only auto or none (forcing a call would change the distribution)")
+    if body.get("response_format") not in (None, {"type": "text"}):
+        raise RequestError("response_format: only text")
+    session, prompt_id = body.get("session", session), body.get("prompt_id")
+    if not (session is None or isinstance(session, str) and session) or not (
+            prompt_id is None or isinstance(prompt_id, str) and prompt_id):
+        raise RequestError("session/prompt_id: expected non-empty strings")
+    given = body.get("max_completion_tokens", body.get("max_tokens"))
+    stream_options = body.get("stream_options") or {}
+    return ChatRequest(messages=normalize(body.get("messages")), tools=tools,
+                       params=parse_sampling(body, max_tokens if given is None else given, max_tokens),
+                       max_tokens=given, stream=bool(body.get("stream")), logprobs=bool(body.get("logprobs")),
+                       usage_chunk=isinstance(stream_options, dict) and bool(stream_options.get("include_usage")),
+                       parse_tools=bool(tools) and choice != "none", session=session, prompt_id=prompt_id)
+
+
+def version_spans(versions: np.ndarray) -> list[dict]:
+    """[{version, start, end}] runs of equal versions over output-token indexes."""
+    spans = []
+    for i, v in enumerate(versions.tolist()):
+        if spans and spans[-1]["version"] == v:
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": v, "start": i, "end": i + 1})
+    return spans
+
+
+def _usage(prompt_len: int, out: Generation) -> dict:
+    n = len(out.token_ids)
+    return {"prompt_tokens": prompt_len, "completion_tokens": n, "total_tokens": prompt_len + n}
+
+
+def completion_response(out: Generation, prompt_ids: list[int], model: str, text: str) -> dict:
+    tokens, logprobs = out.token_ids.tolist(), out.logprobs.tolist()
+    names = [f"token_id:{t}" for t in tokens]
+    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": model, "usage": _usage(len(prompt_ids), out),
+            "choices": [{"index": 0, "text": text, "finish_reason": out.finish_reason,
+                         "stop_reason": tokens[-1] if out.finish_reason == "stop" else None,
+                         "token_ids": tokens, "prompt_token_ids": prompt_ids,
+                         "logprobs": {"tokens": names, "token_logprobs": logprobs,
+                                      "top_logprobs": [{n: x} for n, x in zip(names, logprobs)],
+                                      "text_offset": []},
+                         "weight_versions": version_spans(out.versions)}]}
+
+
+def assistant_reply(text: str, parse_tools: bool) -> dict:
+    """The assistant message of a sampled reply, normalized as a later turn must repeat it."""
+    content, calls = parse_tool_calls(text) if parse_tools else (text, [])
+    return {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+
+
+def finish_reason(out: Generation, reply: dict) -> str:
+    return "tool_calls" if reply.get("tool_calls") else out.finish_reason
+
+
+def chat_logprobs(out: Generation) -> dict:
+    return {"content": [{"token": f"token_id:{t}", "logprob": x, "bytes": None, "top_logprobs": []}
+                        for t, x in zip(out.token_ids.tolist(), out.logprobs.tolist())]}
+
+
+def chat_response(out: Generation, prompt_len: int, model: str, reply: dict, *, session: str | None,
+                  logprobs: bool) -> dict:
+    message = {**reply, "content": reply["content"] or (None if reply.get("tool_calls") else "")}
+    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": model, "session": session, "usage": _usage(prompt_len, out),
+            "choices": [{"index": 0, "message": message, "finish_reason": finish_reason(out, reply),
+                         "logprobs": chat_logprobs(out) if logprobs else None,
+                         "token_ids": out.token_ids.tolist(), "weight_versions": version_spans(out.versions)}]}
+
+
+def chat_chunk(head: dict, delta: dict, **choice) -> dict:
+    """One streamed chunk; `head` holds id, object, created, model and session."""
+    return {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": None, **choice}]}
