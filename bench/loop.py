@@ -30,6 +30,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
 
 from learner.models import tiny_llama  # noqa: E402
 from learner.update import SAOUpdate, UpdateConfig  # noqa: E402
@@ -91,6 +92,7 @@ def start_model(cfg: LoopConfig) -> torch.nn.Module:
     """A fresh copy of the starting policy in float32."""
     if cfg.start is None:
         return tiny_llama(seed=cfg.seed)
+    hf_logging.disable_progress_bar()  # a bar per load, two loads per run, buries the bench's output
     return AutoModelForCausalLM.from_pretrained(cfg.start, dtype=torch.float32)
 
 

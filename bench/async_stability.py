@@ -1,0 +1,205 @@
+"""Stability under asynchrony (SAO.md §6, §8): every method trained with rollouts exactly s versions
+old, s ∈ {0, 2, 4, 8}, from the trained starting point of bench/pretrain.py, with collapse detected.
+
+The staleness is controlled, not left to timing: the in-process loop of bench/loop.py keeps the last
+s + 1 policy snapshots and plays each step's rollouts on the one s versions back. Methods: `sao`,
+`grpo_dis`, `grpo`, `running_mean` and `vapo` (sao without the DIS mask, the paper's critic-without-
+DIS comparison). Every method sees `--batch` trajectories a step (the GRPO variants as groups of 8).
+
+A run has collapsed (`collapse_step`) at the first step of `--patience` consecutive steps whose
+reward (the 20-step trailing mean, so one lucky batch cannot set the maximum) is below half its
+running maximum, or at the first step whose loss is not finite or that the learner had to skip.
+The paper sees vanilla GRPO collapse near step 160 and a critic without DIS near step 90, while SAO
+and GRPO+DIS stay stable to ~1,000 steps.
+
+Prints and writes `--out`.md: per staleness and method, the final reward (mean of the last `--final`
+steps; mean ± std over seeds), collapse rate and median collapse step, DIS kept fraction, the
+critic's explained variance (last `--final` steps) and the policy entropy at the end; and `--out`.png:
+the reward curves per staleness, collapses marked. Run: `python bench/async_stability.py [--quick]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from bench.loop import LoopConfig  # noqa: E402
+from bench.loop import run as train  # noqa: E402
+from bench.pretrain import pretrained_start  # noqa: E402
+from learner.update import UpdateConfig  # noqa: E402
+
+ALGORITHMS = ("sao", "grpo_dis", "grpo", "running_mean", "vapo")
+STALENESS = (0, 2, 4, 8)
+SMOOTH = 20
+RECORDED = {"reward": "reward/mean", "kept": "dis/kept_frac", "stale": "stale/versions",
+            "ev": "value/explained_var", "entropy": "policy/entropy", "loss": "loss/policy",
+            "skipped": "step/skipped"}
+Curves = dict[str, list[float]]  # one run: RECORDED's short names → per-step values
+
+
+def trailing_mean(x: list[float], window: int = SMOOTH) -> np.ndarray:
+    """Mean of the last `window` values (fewer at the start); entry i ends at step i."""
+    c = np.cumsum(np.insert(np.asarray(x, float), 0, 0.0))
+    i = np.arange(1, len(x) + 1)
+    return (c[i] - c[np.maximum(i - window, 0)]) / np.minimum(i, window)
+
+
+def collapse_step(reward: list[float], loss: list[float], skipped: list[float],
+                  patience: int = 50) -> int | None:
+    """First step of the first run of `patience` steps with the smoothed reward below half its
+    running maximum, or the first step with a non-finite loss or a skipped update; None if stable."""
+    broken = [i for i, (l, s) in enumerate(zip(loss, skipped)) if not math.isfinite(l) or s]
+    smooth = trailing_mean(reward)
+    low = smooth < 0.5 * np.maximum.accumulate(smooth)
+    run = 0
+    for i, is_low in enumerate(low):
+        run = run + 1 if is_low else 0
+        if run == patience:
+            return min([i - patience + 1, *broken[:1]])
+    return broken[0] if broken else None
+
+
+def one_run(algorithm: str, staleness: int, seed: int, args: argparse.Namespace) -> Curves:
+    """One training run's per-step records."""
+    torch.set_num_threads(1)
+    cfg = LoopConfig(env=args.env, steps=args.steps, batch=args.batch, staleness=staleness,
+                     start=args.start, seed=seed,
+                     update=UpdateConfig(algorithm=algorithm, lr_policy=args.lr_policy,
+                                         lr_critic=args.lr_critic, warmup_steps=args.warmup))
+    history = train(cfg)
+    return {short: [float(m.get(key, math.nan)) for m in history] for short, key in RECORDED.items()}
+
+
+def row(runs: list[Curves], final: int, patience: int) -> dict[str, str]:
+    """One table row: a method at one staleness over its seeds."""
+    finals = [statistics.fmean(r["reward"][-final:]) for r in runs]
+    collapses = [s for r in runs if (s := collapse_step(r["reward"], r["loss"], r["skipped"], patience))
+                 is not None]
+    ev = [statistics.fmean(r["ev"][-final:]) for r in runs]
+    return {"start reward": f"{statistics.fmean(statistics.fmean(r['reward'][:SMOOTH]) for r in runs):.3f}",
+            "final reward": f"{statistics.fmean(finals):.3f} ± {statistics.pstdev(finals):.3f}",
+            "collapsed": f"{len(collapses)}/{len(runs)}",
+            "median collapse step": f"{statistics.median(collapses):.0f}" if collapses else "-",
+            "staleness seen": f"{statistics.fmean(statistics.fmean(r['stale']) for r in runs):.2f}",
+            "DIS kept": f"{statistics.fmean(statistics.fmean(r['kept']) for r in runs):.4f}",
+            "EV (final)": "-" if math.isnan(ev[0]) else f"{statistics.fmean(ev):.3f}",
+            "entropy (final)": f"{statistics.fmean(statistics.fmean(r['entropy'][-final:]) for r in runs):.2f}"}
+
+
+def table(curves: dict[tuple[int, str], list[Curves]], args: argparse.Namespace) -> str:
+    """The markdown table of every (staleness, method)."""
+    rows = {(s, a): row(curves[s, a], args.final, args.patience) for s, a in curves}
+    head = ["staleness", "method", *next(iter(rows.values()))]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    lines += [f"| {s} | {a} | " + " | ".join(r.values()) + " |" for (s, a), r in rows.items()]
+    return "\n".join(lines)
+
+
+def plot(curves: dict[tuple[int, str], list[Curves]], staleness: list[int], args: argparse.Namespace,
+         path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(staleness), figsize=(4.5 * len(staleness), 3.8), squeeze=False,
+                             sharey=True)
+    for ax, s in zip(axes[0], staleness):
+        for color, a in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"], args.algorithms):
+            runs = np.array([trailing_mean(r["reward"]) for r in curves[s, a]])
+            ax.plot(runs.mean(0), color=color, label=a, lw=1.2)
+            for r, smooth in zip(curves[s, a], runs):
+                if (c := collapse_step(r["reward"], r["loss"], r["skipped"], args.patience)) is not None:
+                    ax.plot(c, smooth[c], "x", color=color, ms=8, mew=2)
+        ax.set(title=f"rollouts {s} versions old", xlabel="learner step", ylim=(0, 1))
+    axes[0][0].set_ylabel(f"reward ({SMOOTH}-step mean over seeds; x = collapse)")
+    axes[0][-1].legend(fontsize=8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help="a few minutes: 150 steps, 1 seed, staleness 0 and 8, quick start")
+    parser.add_argument("--steps", type=int, help="learner steps per run (default 1000)")
+    parser.add_argument("--seeds", type=int, help="seeds per configuration (default 3)")
+    parser.add_argument("--staleness", type=int, nargs="+", help=f"versions old (default {STALENESS})")
+    parser.add_argument("--algorithms", nargs="+", default=ALGORITHMS, choices=ALGORITHMS)
+    parser.add_argument("--env", default="toy-target", choices=["toy-target", "toy-multiturn"])
+    parser.add_argument("--batch", type=int, default=16, help="trajectories per step, a multiple of 8")
+    parser.add_argument("--lr-policy", type=float, default=3e-3)
+    parser.add_argument("--lr-critic", type=float, default=3e-3)
+    parser.add_argument("--warmup", type=int, default=10, help="critic-only steps of sao and vapo")
+    parser.add_argument("--final", type=int, help="steps averaged into the final numbers (default 100)")
+    parser.add_argument("--patience", type=int, default=50, help="low steps in a row that are a collapse")
+    parser.add_argument("--start", type=Path, help="transformers folder (default: bench/pretrain.py's)")
+    parser.add_argument("--jobs", type=int, default=2, help="runs in parallel, one CPU thread each")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/async_stability"),
+                        help="writes OUT.md and OUT.png")
+    parser.add_argument("--raw", type=Path, default=Path("runs/bench/async_stability.json"),
+                        help="every run's per-step records, written before the table")
+    parser.add_argument("--replot", action="store_true", help="table and PNG from --raw, no training")
+    args = parser.parse_args()
+    quick = args.quick
+    args.steps = args.steps or (150 if quick else 1000)
+    args.seeds = args.seeds or (1 if quick else 3)
+    args.final = min(args.final or (30 if quick else 100), args.steps)
+    staleness = args.staleness or ([0, 8] if quick else list(STALENESS))
+    if args.replot:
+        report(**json.loads(args.raw.read_text()), args=args)
+        return
+    args.start = args.start or pretrained_start("llama", quick=quick)
+    config = (f"{args.start.name} on {args.env}, {args.steps} steps x {args.batch} trajectories, "
+              f"lr {args.lr_policy:g} policy / {args.lr_critic:g} critic, warm-up {args.warmup}, "
+              f"seeds 0..{args.seeds - 1}, collapse: {args.patience} steps below half the running "
+              f"max of the {SMOOTH}-step mean  [{platform.machine()}, {os.cpu_count()} cores, "
+              f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}]")
+    print(f"async stability: {config}", flush=True)
+    # the slowest (critic) runs first, so the pool's last runs are short ones
+    jobs = sorted(((a, s, seed) for s in staleness for a in args.algorithms for seed in range(args.seeds)),
+                  key=lambda j: j[0] not in ("sao", "vapo"))
+    start = time.perf_counter()
+    with ProcessPoolExecutor(args.jobs) as pool:
+        results = list(pool.map(one_run, *zip(*jobs), [args] * len(jobs)))
+    raw = {"command": f"python bench/async_stability.py {' '.join(sys.argv[1:])}", "config": config,
+           "elapsed": time.perf_counter() - start, "staleness": staleness,
+           "runs": [[a, s, seed, run] for (a, s, seed), run in zip(jobs, results)]}
+    args.raw.parent.mkdir(parents=True, exist_ok=True)
+    args.raw.write_text(json.dumps(raw))
+    report(**raw, args=args)
+
+
+def report(command: str, config: str, elapsed: float, staleness: list[int], runs: list,
+           args: argparse.Namespace) -> None:
+    """Print the table, write it and the PNG under `args.out`."""
+    curves: dict[tuple[int, str], list[Curves]] = {}
+    for a, s, _, run in runs:
+        curves.setdefault((s, a), []).append(run)
+    args.algorithms = [a for a in ALGORITHMS if any(key[1] == a for key in curves)]
+    curves = {(s, a): curves[s, a] for s in staleness for a in args.algorithms}
+    text = table(curves, args)
+    print(text)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".md").write_text(f"`{command}` ({elapsed:.0f} s): {config}\n\n{text}\n")
+    plot(curves, staleness, args, args.out.with_suffix(".png"))
+    print(f"wrote {args.out}.md and {args.out}.png ({elapsed:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
