@@ -175,8 +175,13 @@ def main() -> None:
     jobs = sorted(((a, s, seed) for s in staleness for a in args.algorithms for seed in range(args.seeds)),
                   key=lambda j: j[0] not in ("sao", "vapo"))
     start = time.perf_counter()
+    results = []
     with ProcessPoolExecutor(args.jobs) as pool:
-        results = list(pool.map(one_run, *zip(*jobs), [args] * len(jobs)))
+        for (a, s, seed), run in zip(jobs, pool.map(one_run, *zip(*jobs), [args] * len(jobs))):
+            results.append(run)
+            print(f"{len(results)}/{len(jobs)} {a} staleness {s} seed {seed}: final reward "
+                  f"{statistics.fmean(run['reward'][-args.final:]):.3f} "
+                  f"({time.perf_counter() - start:.0f} s)", flush=True)
     raw = {"command": f"python bench/async_stability.py {' '.join(sys.argv[1:])}", "config": config,
            "elapsed": time.perf_counter() - start, "staleness": staleness,
            "runs": [[a, s, seed, run] for (a, s, seed), run in zip(jobs, results)]}
