@@ -5,6 +5,8 @@ The staleness is controlled, not left to timing: the in-process loop of bench/lo
 s + 1 policy snapshots and plays each step's rollouts on the one s versions back. Methods: `sao`,
 `grpo_dis`, `grpo`, `running_mean` and `vapo` (sao without the DIS mask, the paper's critic-without-
 DIS comparison). Every method sees `--batch` trajectories a step (the GRPO variants as groups of 8).
+With `--stale-tail` each prompt's lag is instead a Zipf draw of at most s versions (heavy-tailed
+episode lengths: most rollouts fresh, a few as old as the bound).
 
 A run has collapsed (`collapse_step`) at the first step of `--patience` consecutive steps whose
 reward (the 20-step trailing mean, so one lucky batch cannot set the maximum) is below half its
@@ -76,7 +78,7 @@ def one_run(algorithm: str, staleness: int, seed: int, args: argparse.Namespace)
     """One training run's per-step records."""
     torch.set_num_threads(1)
     cfg = LoopConfig(env=args.env, steps=args.steps, batch=args.batch, staleness=staleness,
-                     start=args.start, seed=seed,
+                     stale_tail=args.stale_tail, start=args.start, seed=seed,
                      update=UpdateConfig(algorithm=algorithm, lr_policy=args.lr_policy,
                                          lr_critic=args.lr_critic, warmup_steps=args.warmup))
     history = train(cfg)
@@ -140,6 +142,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="learner steps per run (default 1000)")
     parser.add_argument("--seeds", type=int, help="seeds per configuration (default 3)")
     parser.add_argument("--staleness", type=int, nargs="+", help=f"versions old (default {STALENESS})")
+    parser.add_argument("--stale-tail", action="store_true",
+                        help="each prompt's rollouts a Zipf-distributed number of versions old, at most "
+                             "the staleness (heavy-tailed episode lengths) instead of exactly it")
     parser.add_argument("--algorithms", nargs="+", default=ALGORITHMS, choices=ALGORITHMS)
     parser.add_argument("--env", default="toy-target", choices=["toy-target", "toy-multiturn"])
     parser.add_argument("--batch", type=int, default=16, help="trajectories per step, a multiple of 8")
@@ -165,7 +170,8 @@ def main() -> None:
         report(**json.loads(args.raw.read_text()), args=args)
         return
     args.start = args.start or pretrained_start("llama", quick=quick)
-    config = (f"{args.start.name} on {args.env}, {args.steps} steps x {args.batch} trajectories, "
+    lag = "Zipf lag up to the staleness" if args.stale_tail else "lag exactly the staleness"
+    config = (f"{args.start.name} on {args.env}, {lag}, {args.steps} steps x {args.batch} trajectories, "
               f"lr {args.lr_policy:g} policy / {args.lr_critic:g} critic, warm-up {args.warmup}, "
               f"seeds 0..{args.seeds - 1}, collapse: {args.patience} steps below half the running "
               f"max of the {SMOOTH}-step mean  [{platform.machine()}, {os.cpu_count()} cores, "
