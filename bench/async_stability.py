@@ -121,6 +121,8 @@ def plot(curves: dict[tuple[int, str], list[Curves]], staleness: list[int], args
                              sharey=True)
     for ax, s in zip(axes[0], staleness):
         for color, a in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"], args.algorithms):
+            if (s, a) not in curves:  # a sweep stopped early
+                continue
             runs = np.array([trailing_mean(r["reward"]) for r in curves[s, a]])
             ax.plot(runs.mean(0), color=color, label=a, lw=1.2)
             for r, smooth in zip(curves[s, a], runs):
@@ -177,22 +179,21 @@ def main() -> None:
               f"max of the {SMOOTH}-step mean  [{platform.machine()}, {os.cpu_count()} cores, "
               f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}]")
     print(f"async stability: {config}", flush=True)
-    # the slowest (critic) runs first, so the pool's last runs are short ones
+    # seed by seed, so a run stopped early still covers every configuration; within a seed the
+    # slowest (critic) runs first, so the pool's last runs are short ones
     jobs = sorted(((a, s, seed) for s in staleness for a in args.algorithms for seed in range(args.seeds)),
-                  key=lambda j: j[0] not in ("sao", "vapo"))
+                  key=lambda j: (j[2], j[0] not in ("sao", "vapo")))
     start = time.perf_counter()
-    results = []
+    raw = {"command": f"python bench/async_stability.py {' '.join(sys.argv[1:])}", "config": config,
+           "elapsed": 0.0, "staleness": staleness, "runs": []}
+    args.raw.parent.mkdir(parents=True, exist_ok=True)
     with ProcessPoolExecutor(args.jobs) as pool:
         for (a, s, seed), run in zip(jobs, pool.map(one_run, *zip(*jobs), [args] * len(jobs))):
-            results.append(run)
-            print(f"{len(results)}/{len(jobs)} {a} staleness {s} seed {seed}: final reward "
-                  f"{statistics.fmean(run['reward'][-args.final:]):.3f} "
-                  f"({time.perf_counter() - start:.0f} s)", flush=True)
-    raw = {"command": f"python bench/async_stability.py {' '.join(sys.argv[1:])}", "config": config,
-           "elapsed": time.perf_counter() - start, "staleness": staleness,
-           "runs": [[a, s, seed, run] for (a, s, seed), run in zip(jobs, results)]}
-    args.raw.parent.mkdir(parents=True, exist_ok=True)
-    args.raw.write_text(json.dumps(raw))
+            raw["runs"].append([a, s, seed, run])
+            raw["elapsed"] = time.perf_counter() - start
+            args.raw.write_text(json.dumps(raw))  # after every run: --replot works on a stopped sweep
+            print(f"{len(raw['runs'])}/{len(jobs)} {a} staleness {s} seed {seed}: final reward "
+                  f"{statistics.fmean(run['reward'][-args.final:]):.3f} ({raw['elapsed']:.0f} s)", flush=True)
     report(**raw, args=args)
 
 
@@ -203,7 +204,7 @@ def report(command: str, config: str, elapsed: float, staleness: list[int], runs
     for a, s, _, run in runs:
         curves.setdefault((s, a), []).append(run)
     args.algorithms = [a for a in ALGORITHMS if any(key[1] == a for key in curves)]
-    curves = {(s, a): curves[s, a] for s in staleness for a in args.algorithms}
+    curves = {(s, a): curves[s, a] for s in staleness for a in args.algorithms if (s, a) in curves}
     text = table(curves, args)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
