@@ -41,8 +41,8 @@ from learner.dis import (PRESETS, LossAgg, aggregate, dis_policy_loss, k3_kl, pp
 from learner.gae import adaptive_lambda, skip_observation_gae, whiten
 from learner.logprobs import Batch, collate, token_logprobs, token_rewards
 from learner.microbatch import StepPlan, StepStats, plan_step
-from learner.value import (ValueModel, critic_values, explained_variance, freeze_attention, value_loss,
-                           value_moments)
+from learner.value import (ValueModel, critic_values, freeze_attention, value_diagnostics, value_loss,
+                           value_moments_by_position)
 from schemas.messages import Trajectory
 
 @dataclass(kw_only=True)
@@ -77,7 +77,10 @@ class UpdateConfig:
     weight_decay: float = 0.0
     """AdamW weight decay of both optimizers."""
     max_grad_norm: float = 1.0
-    """Gradient-norm clip of each optimizer step."""
+    """Gradient-norm clip of each policy step, and of each critic step unless `critic_max_grad_norm`."""
+    critic_max_grad_norm: float | None = None
+    """Gradient-norm clip of each critic step; None: `max_grad_norm`. A critic's gradient is often
+    far larger than the policy's (a verl SAO port clips it at 10, SAO.md §9)."""
     value_clip: float | None = None
     """PPO-style value clipping range around the pre-update values; None = plain MSE."""
     whiten_advantages: bool = False
@@ -107,6 +110,8 @@ class UpdateConfig:
                      "logprob_chunk_tokens"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+        if self.critic_max_grad_norm is not None and not self.critic_max_grad_norm > 0:
+            raise ValueError(f"--critic-max-grad-norm must be > 0, got {self.critic_max_grad_norm}")
         if self.critic_updates < 1:
             raise ValueError(f"--critic-updates must be >= 1, got {self.critic_updates}")
         if self.micro_batch_tokens < 0:
@@ -121,6 +126,11 @@ class UpdateConfig:
         low, high = PRESETS[self.preset]
         return (low if self.eps_low is None else self.eps_low,
                 high if self.eps_high is None else self.eps_high)
+
+    @property
+    def critic_clip(self) -> float:
+        """The gradient-norm clip of a critic step."""
+        return self.max_grad_norm if self.critic_max_grad_norm is None else self.critic_max_grad_norm
 
     @property
     def settings(self) -> AlgorithmSettings:
@@ -260,7 +270,7 @@ class SAOUpdate:
                 mb.adv, _ = skip_observation_gae(b.rewards, mb.values, mask, cfg.gamma, lam)
                 _, mb.returns = skip_observation_gae(b.rewards, mb.values, mask, cfg.gamma, 1.0)
                 stats.add({"value/mean": _mean(mb.values, mask, plan)}
-                          | value_moments(mb.values, mb.returns, mask, plan.num_tokens))
+                          | value_moments_by_position(mb.values, mb.returns, mask, plan.num_tokens))
             else:  # one advantage per trajectory, computed from the whole step on every rank
                 mb.adv = torch.where(mask, seq_adv[mb.rows].to(self.device)[:, None], 0.0)
             stats.add({"adv/mean": _mean(mb.adv, mask, plan), "adv2": _mean(mb.adv ** 2, mask, plan),
@@ -272,7 +282,7 @@ class SAOUpdate:
                 mb.adv = whiten(mb.adv, mb.batch.action_mask, step["adv/mean"], std)
         metrics = {k: step[k] for k in ("adv/mean", "adv/abs_mean")}
         if self.settings.advantage == "gae":
-            metrics |= {"value/mean": step["value/mean"], "value/explained_var": explained_variance(step)}
+            metrics |= {"value/mean": step["value/mean"]} | value_diagnostics(step)
         return metrics
 
     def _critic_steps(self, mbs: list[MicroBatch], plan: StepPlan) -> tuple[bool, dict[str, float]]:
@@ -287,7 +297,7 @@ class SAOUpdate:
                                   num_tokens=plan.num_tokens, num_seqs=plan.num_seqs)
                 loss.backward()  # accumulates; FSDP2 reduce-scatters each micro-batch's share
                 stats.add({"loss/value": loss})
-            stepped, grad_norm = guarded_step(self.critic, self.critic_opt, cfg.max_grad_norm,
+            stepped, grad_norm = guarded_step(self.critic, self.critic_opt, cfg.critic_clip,
                                               stats.sums["loss/value"])
             if not stepped:
                 break

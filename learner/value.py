@@ -145,20 +145,75 @@ def value_loss(values: Tensor, returns: Tensor, action_mask: Tensor, *,
     return aggregate(err, action_mask, loss_agg, num_tokens=num_tokens, num_seqs=num_seqs)
 
 
+POSITIONS = ("first", "middle", "last")
+
+
+def action_thirds(action_mask: Tensor) -> Tensor:
+    """(B, T) int64: 0, 1 or 2 for an action token in the first, middle or last third of its
+    trajectory's action tokens (the k-th of n, from 0, is in third ⌊3k/n⌋); −1 off action tokens."""
+    k = action_mask.long().cumsum(-1) - 1
+    n = action_mask.sum(-1, keepdim=True).clamp(min=1)
+    return torch.where(action_mask, 3 * k // n, -1)
+
+
 @torch.no_grad()
 def value_moments(values: Tensor, returns: Tensor, action_mask: Tensor,
                   num_tokens: int | None = None) -> dict[str, Tensor]:
-    """Means over N action tokens of R, R², R − V and (R − V)²: sums over micro-batches and ranks
-    give the step's, from which `explained_variance` follows."""
+    """Means over N action tokens of 1 (the share n of the N tokens that `action_mask` selects),
+    R, R², V, V², R·V, R − V and (R − V)²: sums over micro-batches and ranks give the step's, from
+    which `explained_variance` and `value_return_corr` follow, for any subset of the tokens."""
     def mean(x: Tensor) -> Tensor:
         return aggregate(x, action_mask, "token_mean", num_tokens=num_tokens)
 
     err = returns - values
-    return {"r": mean(returns), "r2": mean(returns ** 2), "e": mean(err), "e2": mean(err ** 2)}
+    return {"n": mean(torch.ones_like(values)), "r": mean(returns), "r2": mean(returns ** 2),
+            "v": mean(values), "v2": mean(values ** 2), "rv": mean(returns * values),
+            "e": mean(err), "e2": mean(err ** 2)}
+
+
+@torch.no_grad()
+def value_moments_by_position(values: Tensor, returns: Tensor, action_mask: Tensor,
+                              num_tokens: int | None = None) -> dict[str, Tensor]:
+    """`value_moments` over all action tokens, and over each third of every trajectory's action
+    tokens under keys `<moment>@first|middle|last`: how well the critic knows the return early in a
+    response, where it has seen few of the tokens that decide it, and late."""
+    thirds = action_thirds(action_mask)
+    out = value_moments(values, returns, action_mask, num_tokens)
+    for j, part in enumerate(POSITIONS):
+        out |= {f"{k}@{part}": v for k, v in value_moments(values, returns, thirds == j, num_tokens).items()}
+    return out
+
+
+def _variance(m: dict[str, float], x: str) -> float:
+    """Var(x) from the means of x and x² over a share n of the tokens; 0 when it is rounding noise."""
+    mean, square = m[x] / m["n"], m[x + "2"] / m["n"]
+    var = square - mean ** 2  # E[x²] − E[x]² of a constant is rounding noise, not variance
+    return var if var > 1e-6 * (square + 1e-12) else 0.0
 
 
 def explained_variance(m: dict[str, float]) -> float:
     """1 − Var(R − V) / Var(R) over action tokens, from `value_moments`; NaN when R does not vary."""
-    var_r = m["r2"] - m["r"] ** 2
-    # E[R²] − E[R]² of constant returns is rounding noise, not variance
-    return 1.0 - (m["e2"] - m["e"] ** 2) / var_r if var_r > 1e-6 * (m["r2"] + 1e-12) else math.nan
+    var_r = _variance(m, "r") if m["n"] > 0 else 0.0
+    return 1.0 - _variance(m, "e") / var_r if var_r else math.nan
+
+
+def value_return_corr(m: dict[str, float]) -> float:
+    """Pearson correlation of V and R over action tokens, from `value_moments`: unlike the explained
+    variance it ignores V's scale and offset, so it shows whether the critic ranks states right
+    before it has their level; NaN when V or R does not vary."""
+    var_r, var_v = (_variance(m, x) if m["n"] > 0 else 0.0 for x in ("r", "v"))
+    if not (var_r and var_v):
+        return math.nan
+    cov = m["rv"] / m["n"] - m["r"] * m["v"] / m["n"] ** 2
+    return cov / math.sqrt(var_r * var_v)
+
+
+def value_diagnostics(m: dict[str, float]) -> dict[str, float]:
+    """value/explained_var and value/return_corr, overall and `_first|_middle|_last` by position,
+    from `value_moments_by_position`'s step sums."""
+    out = {"value/explained_var": explained_variance(m), "value/return_corr": value_return_corr(m)}
+    for part in POSITIONS:
+        sub = {k.removesuffix("@" + part): v for k, v in m.items() if k.endswith("@" + part)}
+        out |= {f"value/explained_var_{part}": explained_variance(sub),
+                f"value/return_corr_{part}": value_return_corr(sub)}
+    return out

@@ -1,7 +1,8 @@
 """`sao report RUN_DIR`: the end-of-run report of `sao up`, from what the run left on disk.
 
-Writes `RUN_DIR/report.png` (reward, critic explained variance, DIS kept fraction, staleness,
-learner throughput, consumer lag, one panel each, against the learner step) and `RUN_DIR/summary.txt`
+Writes `RUN_DIR/report.png` (reward, critic explained variance overall and by third of the
+response, DIS kept fraction, staleness, learner throughput, consumer lag, one panel each, against
+the learner step) and `RUN_DIR/summary.txt`
 (steps, wall time, first and last reward, trajectories trained, dead letters, each process's fate
 from `RUN_DIR/processes.json` when `sao up` wrote one), and prints the summary.
 """
@@ -67,7 +68,12 @@ def plot(run_dir: Path, steps: list[dict], window: int) -> Path:
     x = [s["step/index"] for s in steps]
     for ax, (key, title) in zip(axes.flat, PANELS):
         y = [s.get(key, math.nan) for s in steps]
-        ax.plot(x, y, lw=1, alpha=0.6 if key == "reward/mean" else 1)
+        ax.plot(x, y, lw=1, alpha=0.6 if key == "reward/mean" else 1,
+                label="all" if key == "value/explained_var" else None)
+        if key == "value/explained_var":  # by third of the response: where the critic knows the return
+            for part in ("first", "middle", "last"):
+                ax.plot(x, [s.get(f"{key}_{part}", math.nan) for s in steps], lw=1, label=part)
+            ax.legend(fontsize=8)
         if key == "reward/mean" and len(y) >= window:
             ax.plot(x[window - 1:], [_mean(y[i - window + 1:i + 1]) for i in range(window - 1, len(y))],
                     lw=2, label=f"running mean ({window})")

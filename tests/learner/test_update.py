@@ -29,7 +29,8 @@ from schemas.config import from_env
 REQUIRED_METRICS = {
     "loss/policy", "loss/value", "dis/kept_frac", "dis/masked_low_frac", "dis/masked_high_frac",
     "dis/ratio_mean", "dis/ratio_max", "dis/ratio_min", "dis/abs_logp_diff", "value/explained_var",
-    "grad_norm/policy", "grad_norm/critic", "policy/entropy", "reward/mean", "step/skipped",
+    "value/return_corr", *(f"value/{d}_{p}" for d in ("explained_var", "return_corr")
+                           for p in ("first", "middle", "last")), "grad_norm/policy", "grad_norm/critic", "policy/entropy", "reward/mean", "step/skipped",
     "step/policy_updated"}
 
 
@@ -80,6 +81,60 @@ def test_warm_up_trains_only_the_critic_for_ten_steps():
     m = update.step(trajs)
     assert m["step/policy_updated"] == 1
     assert not same(policy0, [p.detach() for p in update.policy.parameters()])
+
+
+def test_critic_gradient_clip_is_its_own():
+    """A critic clip of 1e-12 leaves Adam's first steps ~1e-4·lr (g ≪ its ε), the default clip (the
+    policy's 1.0) lets them move ~lr; the policy's step is the same under both."""
+    trajs = rollouts(build("sao"))
+    runs = {}
+    for clip in (None, 1e-12):
+        update = build("sao", warmup_steps=0, critic_max_grad_norm=clip)
+        critic0 = [p.detach().clone() for p in update.critic.parameters()]
+        update.step(trajs)
+        moved = max((p.detach() - p0).abs().max().item()
+                    for p, p0 in zip(update.critic.parameters(), critic0))
+        runs[clip] = moved, [p.detach().clone() for p in update.policy.parameters()]
+    lr = update.cfg.lr_critic
+    assert runs[None][0] > 0.5 * lr and runs[1e-12][0] < 1e-3 * lr, (runs[None][0], runs[1e-12][0])
+    assert same(runs[None][1], runs[1e-12][1])
+
+
+def test_whitened_advantages_have_the_steps_mean_zero_and_std_one():
+    trajs = rollouts(build("sao"), num_prompts=6)
+    adv, _, _ = advantages(build("sao"), trajs)
+    white, _, _ = advantages(build("sao", whiten_advantages=True), trajs)
+    mask = collate(trajs).action_mask
+    a = adv[mask].double()
+    assert a.std() > 0
+    torch.testing.assert_close(white[mask].double(), (a - a.mean()) / a.std(unbiased=False),
+                               rtol=1e-5, atol=1e-5)
+    assert (white[~mask] == 0).all()
+
+
+@pytest.mark.parametrize("env", ["toy-target", "toy-multiturn"])
+def test_the_whole_reward_lands_on_the_last_generated_token_and_reaches_gae(env):
+    """Stop tokens make the trajectories' lengths differ, so rows are padded: the outcome sits on
+    each trajectory's last generated token, never on padding, and with V ≡ 0 (a fresh critic),
+    γ = λ = 1, every action token's critic target is the whole reward (a port that placed it on
+    padding passed ~0.6 % of it to GAE, SAO.md §9)."""
+    update = build("sao")
+    trajs = play_tasks(make_env(env), HFGenerator(update.policy, seed=1),
+                       SamplingParams(max_tokens=6, stop_token_ids=tuple(range(3, 64, 5))),
+                       random.Random(1), num_prompts=8)
+    assert len({len(t.tokens) for t in trajs}) > 1 and any(t.reward > 0 for t in trajs)
+    batch = collate(trajs)
+    _, returns, values = advantages(update, trajs)
+    assert (values == 0).all()
+    for b, t in enumerate(trajs):
+        last = len(t.tokens) - 1
+        assert t.action_mask[last] == 1  # the episode ends on a generated token
+        expected = torch.zeros(batch.tokens.shape[1])
+        expected[last] = t.reward
+        torch.testing.assert_close(batch.rewards[b], expected)
+        acted = batch.action_mask[b]
+        torch.testing.assert_close(returns[b][acted], torch.full((int(acted.sum()),), float(t.reward)))
+        assert (returns[b][~acted] == 0).all()
 
 
 @pytest.mark.parametrize("algorithm", ["sao", "grpo_dis", "running_mean"])
@@ -218,8 +273,9 @@ def test_every_algorithm_runs_on_the_same_path():
                        value_clip=0.2, whiten_advantages=True)
         metrics = update.step(rollouts(update, num_prompts=2, group_size=2))
         assert metrics["step/skipped"] == 0 and metrics["step/policy_updated"] == 1, algorithm
-        assert all(math.isfinite(v) for k, v in metrics.items()
-                   if not k.startswith(("value/explained", "grad_norm/critic"))), (algorithm, metrics)
+        # V ≡ 0 at the start (zero head): its explained variance and correlation are undefined
+        assert all(math.isfinite(v) for k, v in metrics.items() if not k.startswith(
+            ("value/explained", "value/return_corr", "grad_norm/critic"))), (algorithm, metrics)
 
 
 def test_vapo_is_sao_without_the_dis_mask():

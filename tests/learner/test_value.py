@@ -1,5 +1,6 @@
 """The critic of SAO.md §5: zero head, attention frozen by module type for dense and MoE models,
-the parameter report, the value loss and explained variance."""
+the parameter report, the value loss, and the diagnostics that explain it: explained variance and
+value/return correlation, overall and by position in the response."""
 
 import os
 
@@ -14,9 +15,9 @@ import torch
 from learner.logprobs import collate
 from learner.models import tiny_llama, tiny_qwen3_moe
 from learner.update import SAOUpdate, UpdateConfig
-from learner.value import (ValueModel, critic_values, explained_variance, format_report,
-                           freeze_attention, is_attention, param_report, value_loss,
-                           value_moments)
+from learner.value import (ValueModel, action_thirds, critic_values, explained_variance, format_report,
+                           freeze_attention, is_attention, param_report, value_diagnostics, value_loss,
+                           value_moments, value_moments_by_position, value_return_corr)
 from schemas.messages import Trajectory
 
 BUILDERS = {"llama": tiny_llama, "qwen3_moe": tiny_qwen3_moe}
@@ -164,8 +165,53 @@ def test_explained_variance_on_action_tokens():
 def test_value_moments_of_micro_batches_sum_to_the_steps():
     values, returns = torch.randn(4, 6), torch.randn(4, 6)
     m = torch.rand(4, 6) > 0.3
-    whole = value_moments(values, returns, m)
     n = int(m.sum())
-    parts = [value_moments(values[i:i + 2], returns[i:i + 2], m[i:i + 2], num_tokens=n) for i in (0, 2)]
+    whole = value_moments_by_position(values, returns, m, num_tokens=n)
+    parts = [value_moments_by_position(values[i:i + 2], returns[i:i + 2], m[i:i + 2], num_tokens=n)
+             for i in (0, 2)]
     for k in whole:
         torch.testing.assert_close(parts[0][k] + parts[1][k], whole[k])
+
+
+def test_action_thirds_by_hand():
+    mask = torch.tensor([[0, 1, 1, 0, 0, 1, 1, 1, 1],   # 6 actions, an observation between
+                         [0, 0, 1, 1, 1, 1, 0, 0, 0],   # 4 actions, then padding
+                         [0, 1, 0, 0, 0, 0, 0, 0, 0]], dtype=torch.bool)  # 1 action
+    assert action_thirds(mask).tolist() == [[-1, 0, 0, -1, -1, 1, 1, 2, 2],
+                                            [-1, -1, 0, 0, 1, 2, -1, -1, -1],
+                                            [-1, 0, -1, -1, -1, -1, -1, -1, -1]]
+
+
+def test_diagnostics_by_position_by_hand():
+    """A critic that knows the return only in the last third: EV 1 there, 0 in the first (V ≡ 0
+    there, so its correlation is undefined); V = 2R + 3 in the middle correlates perfectly yet
+    explains nothing (Var(R − V) = Var(R))."""
+    returns = torch.tensor([[1.0, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0], [0.5, 0.5, 0.5, 0.5, 0.5, 0.5]])
+    mask = torch.ones(3, 6, dtype=torch.bool)
+    values = torch.cat([torch.zeros(3, 2), 2 * returns[:, 2:4] + 3, returns[:, 4:]], dim=1)
+    m = {k: v.item() for k, v in value_moments_by_position(values, returns, mask).items()}
+    d = value_diagnostics(m)
+    assert d["value/explained_var_first"] == pytest.approx(0.0, abs=1e-5)
+    assert math.isnan(d["value/return_corr_first"])
+    assert d["value/explained_var_middle"] == pytest.approx(0.0, abs=1e-5)
+    assert d["value/return_corr_middle"] == pytest.approx(1.0)
+    assert d["value/explained_var_last"] == pytest.approx(1.0)
+    assert d["value/return_corr_last"] == pytest.approx(1.0)
+    assert d["value/explained_var"] == pytest.approx(explained_variance(m))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_diagnostics_equal_numpys_on_each_third(seed):
+    g = torch.Generator().manual_seed(seed)
+    returns = torch.rand(6, 12, generator=g)
+    values = 0.5 * returns + 0.3 * torch.rand(6, 12, generator=g)
+    mask = torch.rand(6, 12, generator=g) > 0.3
+    d = value_diagnostics({k: v.item() for k, v in value_moments_by_position(values, returns, mask).items()})
+    thirds = action_thirds(mask)
+    for j, part in enumerate(("first", "middle", "last")):
+        r, v = returns[thirds == j].double().numpy(), values[thirds == j].double().numpy()
+        assert d[f"value/explained_var_{part}"] == pytest.approx(1 - np.var(r - v) / np.var(r), abs=1e-4)
+        assert d[f"value/return_corr_{part}"] == pytest.approx(np.corrcoef(r, v)[0, 1], abs=1e-4)
+    r, v = returns[mask].double().numpy(), values[mask].double().numpy()
+    m = {k: x.item() for k, x in value_moments(values, returns, mask).items()}
+    assert value_return_corr(m) == pytest.approx(np.corrcoef(r, v)[0, 1], abs=1e-4)
