@@ -149,8 +149,7 @@ def make_parts(cfg: ProducerConfig, tokenizer) -> tuple:
         if needs and tokenizer is None:  # else every prompt would be dead-lettered
             raise ConfigError(f"{flag} needs a tokenizer and --model {cfg.model} has none "
                               "(try tiny-llama-bytes or smollm2)")
-    if tokenizer is not None:  # the toy envs' episodes are raw ids; text envs' need the tokenizer
-        check_env(env)
+    check_env(env)  # an env that needs the tokenizer and has none was refused above
     score = scorer(cfg.reward, tokenizer) if cfg.reward else None
     stops = Chat(tokenizer).stop_token_ids() if tokenizer is not None else ()
     return env, SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens, stop_token_ids=stops), score

@@ -247,3 +247,10 @@ def test_a_reward_that_fails_an_episode_dead_letters_that_prompt_and_the_produce
     backlog = Backlog(kafka_cfg, "sao-producers")
     assert backlog.count() == 0  # every prompt, dead-lettered or not, committed
     backlog.close()
+
+
+def test_a_raw_id_env_plug_in_gets_the_smoke_check_too():
+    with pytest.raises(ConfigError, match="found \\[2.5\\]"):
+        make_parts(ProducerConfig(env="tests.producers.test_plugins:NonIntTokens", model="tiny-llama"), None)
+    env, _, _ = make_parts(ProducerConfig(env="toy-multiturn", model="tiny-llama"), None)
+    assert env.name == "toy-multiturn"
