@@ -12,7 +12,8 @@ from the factory `--env` names with the settings it takes; the first one made al
 chat template (producers/envs/chat.py), the action is decoded for `step`, and the trained tokens
 are exactly the ids the model sampled, never the decoded text tokenised again (which need not
 give the same ids). The final step's observation is not used; its reward is the outcome (None:
-a live reward stream scores it).
+a live reward stream scores it). An exception in `reset` or `step`, or a `step` result of the
+wrong shape, sends that episode's prompt to `sao.dlq`; the producer goes on.
 """
 
 from __future__ import annotations
@@ -31,6 +32,15 @@ def is_text_env(obj: object) -> bool:
     """Gym-style (reset/step) rather than an `Env` (sample_task/episode over token ids)."""
     return callable(getattr(obj, "reset", None)) and callable(getattr(obj, "step", None)) \
         and not callable(getattr(obj, "episode", None))
+
+
+def user_call(method: Callable, arg: object) -> object:
+    """`method(arg)` of the user's env; whatever it raises costs this episode's prompt (SchemaError:
+    to the DLQ), not the producer."""
+    try:
+        return method(arg)
+    except Exception as e:  # the user's code may raise anything
+        raise SchemaError(method.__name__, f"{type(e).__name__}: {e}") from e
 
 
 def text_step(out: object) -> tuple[str, float | None, bool]:
@@ -53,7 +63,7 @@ class TextEpisode:
     max_turns: int
 
     def step(self, action_ids: list[int]) -> Step:
-        observation, reward, done = text_step(self.user.step(self.chat.decode(action_ids)))
+        observation, reward, done = text_step(user_call(self.user.step, self.chat.decode(action_ids)))
         ids = [] if done else self.chat.observation_ids(action_ids, observation)
         return Step(observation=ids, reward=reward, done=done)
 
@@ -71,7 +81,7 @@ class TextEnv:
         if self.chat is None:
             raise ValueError(f"text env {self.name} needs a tokenizer to run episodes")
         user = self.make()
-        prompt = user.reset(task)
+        prompt = user_call(user.reset, task)
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise SchemaError("reset", f"a text env's reset must return a str or chat messages, got {prompt!r:.80}")

@@ -254,3 +254,18 @@ def test_a_raw_id_env_plug_in_gets_the_smoke_check_too():
         make_parts(ProducerConfig(env="tests.producers.test_plugins:NonIntTokens", model="tiny-llama"), None)
     env, _, _ = make_parts(ProducerConfig(env="toy-multiturn", model="tiny-llama"), None)
     assert env.name == "toy-multiturn"
+
+
+class Brittle(Recording):
+    """A text env whose step fails on one task: that episode is unplayable (its prompt to the DLQ)."""
+
+    def step(self, action):
+        raise ZeroDivisionError("division by zero in the user's scorer")
+
+
+def test_a_text_env_that_raises_costs_its_episode_not_the_producer():
+    cfg = ProducerConfig(env="tests.producers.test_plugins:Brittle", **BYTES)
+    env, params, _ = make_parts(cfg, load_tokenizer(cfg.model))
+    player = Player(env=env, generator=make_generator(cfg), params=params, producer_id="t")
+    with pytest.raises(SchemaError, match="step: ZeroDivisionError: division by zero in the user's scorer"):
+        asyncio.run(player.play(Prompt(id="p", env=cfg.env, task={"say": "hi"})))
