@@ -8,9 +8,8 @@ else `<file name>:<line or row number>`), so per-prompt baselines see its histor
 reported and skipped; a file with no good row is refused at start.
 
 Epoch e visits the rows in file order, or with `shuffle` in a permutation seeded by (seed, e), so
-every epoch has its own order and a restart recomputes the same one. Not yet built: resuming a
-feed at its row after a restart (a restarted feed starts over; the learner drops the trajectories
-it has already trained by id, but producers play those prompts again).
+every epoch has its own order and a restart recomputes the same one, which is how a restarted
+feed resumes at its row (producers/feeder.py keeps the position in Kafka).
 """
 
 from __future__ import annotations

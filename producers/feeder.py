@@ -12,13 +12,27 @@ are slow or absent:
     unfinished = Σ over partitions (high watermark − committed offset of group `sao-producers`)
 
 with a partition the group never committed counted from its low watermark.
+
+A dataset feed resumes where it stopped, even after SIGKILL, and never publishes a sample twice.
+Its position (the next group to publish: epoch × rows + index in that epoch's order) is kept in
+Kafka, as the commit metadata of consumer group `sao-feed.<feed id>` on the prompts topic, written
+after every batch is acknowledged, with each partition's high watermark as the commit's offset.
+Every prompt it publishes carries headers `sao-feed` (the feed id) and `sao-feed-sample`
+(`<position>.<sample>`). A restart reads its position, then the prompts topic from the committed
+offsets to the end: the samples published after the last commit (a batch the broker acknowledged
+before the feeder died) are skipped, the rest of the batch is published. The feed id defaults to
+the dataset's name and content hash with the shuffling seed, so editing the file or reshuffling
+starts a new feed; `--from-start` starts a feed over.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
+import json
 import logging
+import re
 import random
 import threading
 import uuid
@@ -66,6 +80,11 @@ class FeedConfig:
     """Seconds between backpressure checks while the bound is reached."""
     wait_done: bool = False
     """After the last prompt, wait until every prompt is finished."""
+    feed_id: str = ""
+    """Name under which a dataset feed keeps its position in Kafka (default: the dataset's name,
+    content hash and shuffling seed)."""
+    from_start: bool = False
+    """Publish a dataset feed from its first row again instead of resuming at its saved position."""
     kafka: KafkaConfig = field(default_factory=KafkaConfig)
 
     def __post_init__(self):
@@ -78,6 +97,12 @@ class FeedConfig:
                               f"--group-size {self.group_size}")
         if self.dataset and not Path(self.dataset).is_file():
             raise ConfigError(f"--dataset {self.dataset}: no such file")
+        if self.dataset and not self.feed_id:
+            with open(self.dataset, "rb") as f:
+                digest = hashlib.file_digest(f, "sha256").hexdigest()[:12]
+            self.feed_id = f"{Path(self.dataset).stem}-{digest}-{f'seed{self.seed}' if self.shuffle else 'ordered'}"
+        if not re.fullmatch(r"[A-Za-z0-9._-]{0,200}", self.feed_id):
+            raise ConfigError(f"--feed-id {self.feed_id!r}: use at most 200 of A-Z a-z 0-9 . _ -")
 
 
 def unfinished(high: Mapping[int, int], low: Mapping[int, int], committed: Mapping[int, int]) -> int:
@@ -106,11 +131,17 @@ class Backlog:
         parts = self.consumer.list_topics(self.topic, timeout=30).topics[self.topic].partitions
         self.tps = [TopicPartition(self.topic, p) for p in sorted(parts)]
 
+    def watermarks(self) -> dict[int, tuple[int, int]]:
+        """(low, high) of every partition."""
+        return {tp.partition: retrying(lambda: self.consumer.get_watermark_offsets(tp, timeout=5, cached=False))
+                for tp in self.tps}
+
+    def committed(self) -> list[TopicPartition]:
+        return retrying(lambda: self.consumer.committed(self.tps, timeout=10))
+
     def count(self) -> int:
-        marks = {tp.partition: retrying(lambda: self.consumer.get_watermark_offsets(tp, timeout=5, cached=False))
-                 for tp in self.tps}
-        committed = {tp.partition: tp.offset
-                     for tp in retrying(lambda: self.consumer.committed(self.tps, timeout=10))}
+        marks = self.watermarks()
+        committed = {tp.partition: tp.offset for tp in self.committed()}
         return unfinished({p: h for p, (_, h) in marks.items()}, {p: lo for p, (lo, _) in marks.items()},
                           committed)
 
@@ -118,13 +149,71 @@ class Backlog:
         self.consumer.close()
 
 
-def groups(cfg: FeedConfig, errors: list[str]) -> Iterator[list[Prompt]]:
-    """What the feeder publishes, one task's group of prompts at a time."""
+FEED_HEADER, SAMPLE_HEADER = "sao-feed", "sao-feed-sample"
+
+
+class FeedMark(Backlog):
+    """A dataset feed's position, kept as the commits of group `sao-feed.<feed id>` (module docstring)."""
+
+    def __init__(self, kafka: KafkaConfig, feed_id: str):
+        super().__init__(kafka, f"sao-feed.{feed_id}")
+        self.feed_id = feed_id
+
+    def save(self, position: int) -> None:
+        """Mark every acknowledged prompt as behind us: `position` is the next group to publish."""
+        meta = json.dumps({"position": position})
+        offsets = [TopicPartition(self.topic, p, high, metadata=meta) for p, (_, high) in self.watermarks().items()]
+        retrying(lambda: self.consumer.commit(offsets=offsets, asynchronous=False))
+
+    def load(self) -> tuple[int, set[tuple[int, int]]]:
+        """The saved position, and the (position, sample) pairs at or past it already published."""
+        committed = [tp for tp in self.committed() if tp.offset >= 0 and tp.metadata]
+        if not committed:
+            return 0, set()
+        position = json.loads(committed[0].metadata)["position"]
+        return position, {(g, s) for g, s in self._published_since(committed) if g >= position}
+
+    def _published_since(self, starts: list[TopicPartition]) -> Iterator[tuple[int, int]]:
+        """(position, sample) of this feed's prompts from each committed offset to the end."""
+        ends = {p: high for p, (_, high) in self.watermarks().items()}
+        todo = [tp for tp in starts if tp.offset < ends[tp.partition]]
+        if not todo:
+            return
+        self.consumer.assign(todo)
+        left = {tp.partition for tp in todo}
+        while left:
+            msg = self.consumer.poll(1.0)
+            if msg is None or msg.error():
+                continue
+            if msg.offset() >= ends[msg.partition()] - 1:
+                left.discard(msg.partition())
+            headers = dict(msg.headers() or ())
+            if headers.get(FEED_HEADER) == self.feed_id.encode():
+                g, s = headers[SAMPLE_HEADER].decode().split(".")
+                yield int(g), int(s)
+        self.consumer.unassign()
+
+
+def groups(cfg: FeedConfig, errors: list[str], start: int = 0,
+           published: set[tuple[int, int]] = frozenset()) -> Iterator[tuple[int, list[Prompt]]]:
+    """What the feeder publishes, one task's group of prompts at a time with its position, from
+    position `start` on and without the (position, sample) pairs already `published` (a group
+    published whole comes out empty, so positions stay consecutive)."""
     if cfg.dataset:
         tasks = dataset_prompts(load_rows(Path(cfg.dataset), cfg.env, errors), cfg.epochs, cfg.seed, cfg.shuffle)
     else:
         tasks = prompts_from_env(cfg.env, cfg.seed)
-    return (fan_out(p, cfg.group_size) for p in tasks)
+    for position, prompt in itertools.islice(enumerate(tasks), start, None):
+        yield position, [p for p in fan_out(prompt, cfg.group_size) if (position, p.sample) not in published]
+
+
+def take(source: Iterator[tuple[int, list[Prompt]]], n: int) -> list[tuple[int, list[Prompt]]]:
+    """The next groups of `source` up to its `n`-th non-empty one (fewer: it ran dry)."""
+    out, full = [], 0
+    while full < n and (item := next(source, None)) is not None:
+        out.append(item)
+        full += bool(item[1])
+    return out
 
 
 def run(cfg: FeedConfig, stop: threading.Event | None = None) -> int:
@@ -132,31 +221,54 @@ def run(cfg: FeedConfig, stop: threading.Event | None = None) -> int:
     stop = stop_on_signals(stop)
     ensure_topics(cfg.kafka)
     errors: list[str] = []
-    source, producer, backlog = groups(cfg, errors), make_producer(cfg.kafka), Backlog(cfg.kafka, cfg.group)
+    mark = FeedMark(cfg.kafka, cfg.feed_id) if cfg.dataset else None
+    start, published = (0, set()) if mark is None or cfg.from_start else mark.load()
+    if start or published:
+        log.info("feed %s resumes at group %d (%d samples of it and later already published)",
+                 cfg.feed_id, start, len(published))
+    source, producer, backlog = groups(cfg, errors, start, published), make_producer(cfg.kafka), Backlog(cfg.kafka, cfg.group)
     topic, sent, exhausted, failed = cfg.kafka.topic(T.PROMPTS), 0, False, []
+    position = start  # the next group to publish, once everything sent is acknowledged
+    # a restart's samples published past its saved position are not behind it until it passes them
+    behind = max((g for g, _ in published), default=-1) + 1
+
+    def save() -> None:
+        if mark is not None and position >= behind:
+            mark.save(position)
+
+    def headers(g: int, prompt: Prompt) -> list[tuple[str, bytes]] | None:
+        return mark and [(FEED_HEADER, cfg.feed_id.encode()), (SAMPLE_HEADER, f"{g}.{prompt.sample}".encode())]
 
     def delivered() -> None:  # the idempotent producer has retried already: the prompt is not on the topic
         if failed:
             raise FatalKafkaError(f"prompt delivery failed: {failed[0]}")
 
     try:
+        save()  # a fresh feed's start too, so that a restart reads only what follows
+        saved = position
         while not stop.is_set() and not exhausted:
             producer.flush(30)  # the watermarks must include what we sent
             delivered()
+            if position != saved:
+                save()
+                saved = position
             room = (cfg.max_unfinished - backlog.count()) // cfg.group_size  # whole groups only
             if cfg.count:
                 room = min(room, (cfg.count - sent) // cfg.group_size)
-            batch = list(itertools.islice(source, max(room, 0)))
-            for prompt in (p for group in batch for p in group):
-                produce(producer, topic, prompt.encode(), key=prompt.key,
+            batch = take(source, max(room, 0))
+            for g, prompt in ((g, p) for g, group in batch for p in group):
+                produce(producer, topic, prompt.encode(), key=prompt.key, headers=headers(g, prompt),
                         on_delivery=lambda err, _: err is not None and failed.append(err))
-            sent += len(batch) * cfg.group_size
+            sent += sum(len(group) for _, group in batch)
+            position = batch[-1][0] + 1 if batch else position
             # the source ran dry, or no further group fits in --count
-            exhausted = len(batch) < room or bool(cfg.count and sent + cfg.group_size > cfg.count)
+            exhausted = sum(bool(group) for _, group in batch) < room or bool(
+                cfg.count and sent + cfg.group_size > cfg.count)
             if room <= 0:
                 stop.wait(cfg.poll_s)
         producer.flush(30)
         delivered()
+        save()
         log.info("published %d prompts (%d bad rows skipped)", sent, len(errors))
         while cfg.wait_done and not stop.is_set() and (left := backlog.count()) > 0:
             log.info("waiting for %d unfinished prompts", left)
@@ -164,4 +276,6 @@ def run(cfg: FeedConfig, stop: threading.Event | None = None) -> int:
     finally:
         producer.flush(30)
         backlog.close()
+        if mark is not None:
+            mark.close()
     return sent

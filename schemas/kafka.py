@@ -146,11 +146,11 @@ def consumer_error(msg: Message) -> bool:
 
 
 def produce(producer: Producer, topic: str, value: bytes, key: bytes | None = None,
-            on_delivery: Callable | None = None) -> None:
+            on_delivery: Callable | None = None, headers: list[tuple[str, bytes]] | None = None) -> None:
     """Produce without ever dropping: a full local queue is drained by serving callbacks, then retried."""
     while True:
         try:
-            producer.produce(topic, value, key, on_delivery=on_delivery)
+            producer.produce(topic, value, key, on_delivery=on_delivery, headers=headers)
             break
         except BufferError:
             producer.poll(0.1)

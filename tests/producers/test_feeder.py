@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
 from hypothesis import given, strategies as st
 
 from producers.datasets import epoch_order, load_rows
-from producers.feeder import Backlog, FeedConfig, run, unfinished
+from producers.feeder import FEED_HEADER, SAMPLE_HEADER, Backlog, FeedConfig, run, unfinished
 from schemas import topics as T
-from schemas.kafka import make_consumer
+from schemas.kafka import make_consumer, make_producer, produce
 from schemas.config import ConfigError
 from schemas.messages import Prompt
 from tests.producers.util import wait_until
@@ -51,7 +55,7 @@ def test_jsonl_lines_become_prompts_and_bad_lines_are_skipped(tmp_path):
 
 
 def _finish(kafka_cfg, n: int) -> list[Prompt]:
-    """Play the producers' group: consume n prompts and commit them."""
+    """Play the producers' group: consume n prompts, committing each."""
     consumer = make_consumer(kafka_cfg, "sao-producers")
     consumer.subscribe([kafka_cfg.topic(T.PROMPTS)])
     got = []
@@ -61,8 +65,7 @@ def _finish(kafka_cfg, n: int) -> list[Prompt]:
             if msg is None or msg.error():
                 continue
             got.append(Prompt.decode(msg.value()))
-            consumer.store_offsets(msg)
-        consumer.commit(asynchronous=False)
+            consumer.commit(msg, asynchronous=False)  # finished one by one, as producers do
     finally:
         consumer.close()
     return got
@@ -141,3 +144,55 @@ def test_every_epoch_has_its_own_reproducible_order():
     assert orders[0] != orders[1] != orders[2]
     assert orders[1] == epoch_order(50, seed=7, epoch=1, shuffle=True)
     assert epoch_order(5, seed=7, epoch=1, shuffle=False) == [0, 1, 2, 3, 4]
+
+
+def _rows(tmp_path, n: int):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(json.dumps({"target": t % 4, "id": f"row{t}"}) for t in range(n)))
+    return path
+
+
+def _samples(prompts: list[Prompt]) -> list[tuple[str, int, int]]:
+    return sorted((p.id, p.attempt, p.sample) for p in prompts)
+
+
+def test_a_dataset_feed_resumes_past_samples_acknowledged_after_its_last_saved_position(kafka_cfg, tmp_path):
+    path = _rows(tmp_path, 6)
+    cfg = lambda **kw: FeedConfig(env="toy-target", dataset=str(path), group_size=2, max_unfinished=100,
+                                  kafka=kafka_cfg, **kw)
+    assert run(cfg(count=4)) == 4  # groups 0 and 1; the saved position is group 2
+    # a feeder that died after the broker acknowledged part of its next batch, before saving
+    producer = make_producer(kafka_cfg)
+    rows = load_rows(path, "toy-target", [])
+    for group, sample in ((2, 1), (4, 0)):
+        prompt = dataclasses.replace(rows[group], sample=sample, group_size=2)
+        produce(producer, kafka_cfg.topic(T.PROMPTS), prompt.encode(), key=prompt.key,
+                headers=[(FEED_HEADER, cfg().feed_id.encode()), (SAMPLE_HEADER, f"{group}.{sample}".encode())])
+    assert producer.flush(30) == 0
+    assert run(cfg()) == 6  # the rest of groups 2..5, without the two samples already out
+    expected = _samples([dataclasses.replace(r, sample=s, group_size=2) for r in rows for s in (0, 1)])
+    assert _samples(_finish(kafka_cfg, 12)) == expected  # every sample exactly once
+    assert run(cfg()) == 0  # the feed is done; a restart publishes nothing
+    assert run(cfg(from_start=True)) == 12
+
+
+def test_a_sigkilled_dataset_feed_restarts_where_it_was_and_repeats_nothing(kafka_cfg, tmp_path):
+    path = _rows(tmp_path, 10)
+    cmd = [sys.executable, "-m", "sao", "feed", "--dataset", str(path), "--epochs", "2", "--shuffle",
+           "--group-size", "2", "--max-unfinished", "6", "--poll-s", "0.05"]
+    env = {**os.environ, "SAO_KAFKA_BOOTSTRAP": kafka_cfg.bootstrap, "SAO_KAFKA_TOPIC_PREFIX": kafka_cfg.topic_prefix}
+    feeder = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        got = _finish(kafka_cfg, 16)  # the producers' group works through the first ones ...
+        feeder.kill()  # ... and the feeder dies mid-feed
+        feeder.wait(30)
+        feeder = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+        got += _finish(kafka_cfg, 40 - len(got))
+        assert feeder.wait(60) == 0, feeder.stderr.read()[-3000:]
+        assert "resumes at group" in feeder.stderr.read()
+    finally:
+        feeder.kill()
+        feeder.wait(30)
+    rows = load_rows(path, "toy-target", [])
+    expected = [(r.id, epoch, s) for epoch in (0, 1) for r in rows for s in (0, 1)]
+    assert _samples(got) == sorted(expected)  # 2 epochs x 10 rows x 2 samples, each exactly once
