@@ -14,9 +14,11 @@ critic's job is to read earlier action tokens, which is what attention is for.
 `pretrained_start(kind, quick=...)` returns the folder (config.json + model.safetensors, loadable by
 `--model FOLDER` and `learner.models.build_policy`), trained once and cached under
 `runs/pretrained/` by its settings. `kind="smollm2"` fine-tunes SmolLM2-135M-Instruct from the
-local GGUF on the same text instead of a tiny model. Run: `python bench/pretrain.py [--kind llama|
-qwen3_moe|smollm2] [--quick]`; it prints the folder and its measured reward on each toy task,
-sampled at temperature 1.
+local GGUF on the same text instead of a tiny model. `value_ceiling` is the explained variance of
+the best possible critic of the text's answers: the most a critic of the starting policy can reach.
+
+Run: `python bench/pretrain.py [--kind llama|qwen3_moe|smollm2] [--quick]`; it prints the folder and
+its measured reward and success rate on each toy task, sampled at temperature 1.
 """
 
 from __future__ import annotations
@@ -24,17 +26,19 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
@@ -178,13 +182,46 @@ def starting_reward(model: nn.Module, env_name: str, episodes: int = 256,
     return sum(rewards) / len(rewards), sum(r >= 0.5 for r in rewards) / len(rewards)
 
 
+def value_ceiling(cfg: PretrainConfig, length: int = 8, samples: int = 20_000,
+                  seed: int = 0) -> dict[str, float]:
+    """Explained variance of the best possible critic of the text's answers, overall and by third:
+    V(s_k) = E[R | task, first k tokens] exactly (Bayes over the span's mode), on `samples`
+    single-turn answers of `length` tokens, R their toy-target reward. A policy that has learned
+    the text exactly has this ceiling; no critic of it can explain more."""
+    rng, n, content = np.random.default_rng(seed), cfg.n_tasks, cfg.vocab_size - FIRST
+    sizes = np.array([len(range(FIRST + s, cfg.vocab_size, n)) for s in range(n)])
+    target = rng.integers(0, n, samples)
+    mode = np.where(rng.random(samples) < cfg.p_right, target, (target + rng.integers(1, n, samples)) % n)
+    # only a token's set matters: its mode's with probability p_stay, a uniform content token's else
+    token_set = np.where(rng.random((samples, length)) < cfg.p_stay, mode[:, None],
+                         rng.choice(n, size=(samples, length), p=sizes / content))
+    hit = (token_set == target[:, None]).astype(float)  # (S, L)
+    set_given_mode = cfg.p_stay * np.eye(n) + (1 - cfg.p_stay) * sizes[None, :] / content  # [mode, set]
+    is_target = np.arange(n)[None, :] == target[:, None]  # (S, modes)
+    log_post = np.log(np.where(is_target, cfg.p_right, (1 - cfg.p_right) / (n - 1)))
+    hit_given_mode = set_given_mode[:, target].T  # (S, modes): P(a token hits | mode)
+    values = np.zeros((samples, length))
+    for k in range(length):
+        post = np.exp(log_post - log_post.max(1, keepdims=True))
+        post /= post.sum(1, keepdims=True)
+        values[:, k] = (hit[:, :k].sum(1) + (length - k) * (post * hit_given_mode).sum(1)) / length
+        log_post += np.log(set_given_mode[:, token_set[:, k]].T)
+    err = hit.mean(1, keepdims=True) - values  # R − V, (S, L)
+    third = 3 * np.arange(length) // length
+
+    def ev(cols) -> float:
+        return float(1 - err[:, cols].var() / np.repeat(hit.mean(1), len(cols)).var())
+
+    return {"all": ev(np.arange(length))} | {p: ev(np.flatnonzero(third == j))
+                                              for j, p in enumerate(("first", "middle", "last"))}
+
+
 def pretrained_start(kind: Kind = "llama", *, quick: bool = False, out: Path | None = None,
-                     **settings) -> Path:
+                     cache: Path = CACHE, **settings) -> Path:
     """The folder of the trained starting point of `kind` (`settings`: PretrainConfig fields),
-    trained now unless `out` (default: runs/pretrained/<kind>-<settings hash>) already holds it."""
-    cfg = replace(PretrainConfig(kind=kind, **KIND_DEFAULTS.get(kind, {}) | settings),
-                  **(QUICK if quick else {}))
-    out = out or CACHE / f"{kind}-{cfg.key}"
+    trained now unless `out` (default: `cache`/<kind>-<settings hash>) already holds it."""
+    cfg = PretrainConfig(kind=kind, **KIND_DEFAULTS.get(kind, {}) | (QUICK if quick else {}) | settings)
+    out = out or cache / f"{kind}-{cfg.key}"
     if (out / "config.json").is_file() and (out / "pretrain.json").is_file():
         return out
     model = initial_model(cfg)
@@ -194,7 +231,7 @@ def pretrained_start(kind: Kind = "llama", *, quick: bool = False, out: Path | N
     model.save_pretrained(out, safe_serialization=True)
     # written last: a folder without it is an interrupted run and is trained again
     (out / "pretrain.json").write_text(json.dumps(
-        asdict(cfg) | {"final_loss": sum(losses[-20:]) / len(losses[-20:]),
+        asdict(cfg) | {"final_loss": sum(losses[-20:]) / len(losses[-20:]) if losses else math.nan,
                        "train_s": round(time.perf_counter() - start, 1)}, indent=1))
     return out
 

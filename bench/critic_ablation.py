@@ -1,0 +1,228 @@
+"""Does the critic learn? `sao` against `sao_k1` (one critic step) and `sao_full_critic` (critic
+attention trains) on the trained start of bench/pretrain.py, dense (tiny Llama) and tiny-MoE
+(tiny Qwen3-MoE), on `toy-target`; plus, on the dense model, the knobs other SAO ports found
+necessary (SAO.md §9) and the random start every earlier run used (SAO.md §5, §8).
+
+Every run is bench/loop.py's in-process loop: on-policy rollouts, `--batch` single-rollout
+trajectories per step. Prints and writes (`--out`, default bench/results/critic_ablation.md and
+.png) one row per variant: the final reward (mean of the last `--final` steps, mean ± std over
+seeds), the starting reward (first 20 steps), the critic's explained variance over the last
+`--final` steps, overall and by third of the response (first / middle / last action tokens), the
+value/return correlation, and the critic gradient norm (before clipping) early and late.
+
+Run: `python bench/critic_ablation.py [--steps 400 --seeds 3 --jobs 2]`; `--quick` trains the
+quick starts and runs a few steps of the three algorithms on both models (a smoke run, no result).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from bench.loop import LoopConfig, run  # noqa: E402
+from bench.pretrain import CACHE, PretrainConfig, pretrained_start, value_ceiling  # noqa: E402
+from learner.update import UpdateConfig  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MODELS = {"llama": "dense", "qwen3_moe": "MoE"}
+POSITIONS = ("first", "middle", "last")
+SMOOTH = 20
+WARMUP = UpdateConfig().warmup_steps
+
+
+@dataclass(frozen=True, eq=False)  # keyed by identity: a dict field is not hashable
+class Variant:
+    """One configuration: a model, an algorithm, UpdateConfig overrides and where it starts."""
+
+    name: str
+    kind: str = "llama"
+    algorithm: str = "sao"
+    knobs: dict = field(default_factory=dict)
+    start: str = "trained"  # trained | random (the same architecture, untrained)
+
+    @property
+    def label(self) -> str:
+        return f"{MODELS[self.kind]} {self.name}"
+
+
+def variants(quick: bool, lr_critic: float) -> list[Variant]:
+    """The three algorithms on both models; on the dense model the knobs and the random start."""
+    out = [Variant(a, kind, a) for kind in MODELS for a in ("sao", "sao_k1", "sao_full_critic")]
+    if quick:
+        return out
+    return out + [
+        Variant("sao +whiten", knobs={"whiten_advantages": True}),
+        Variant("sao +critic clip 10", knobs={"critic_max_grad_norm": 10.0}),
+        Variant("sao +warm-up 50", knobs={"warmup_steps": 50}),
+        Variant("sao K=4", knobs={"critic_updates": 4}),
+        Variant("sao +critic lr x3", knobs={"lr_critic": 3 * lr_critic}),
+        # the verl port's fixes together: whitening, critic clip 10, a longer critic warm-up
+        Variant("sao +port fixes", knobs={"whiten_advantages": True, "critic_max_grad_norm": 10.0,
+                                          "warmup_steps": 20}),
+        Variant("sao, random start", start="random"),
+        Variant("sao_full_critic, random start", algorithm="sao_full_critic", start="random"),
+    ]
+
+
+def one_run(v: Variant, start: Path, seed: int, args: argparse.Namespace) -> list[dict[str, float]]:
+    torch.set_num_threads(1)
+    update = UpdateConfig(**{"algorithm": v.algorithm, "lr_policy": args.lr_policy,
+                             "lr_critic": args.lr_critic} | v.knobs)
+    return run(LoopConfig(env="toy-target", steps=args.steps, batch=args.batch, start=start, seed=seed,
+                          update=update))
+
+
+def window_mean(history: list[dict[str, float]], key: str, lo: int, hi: int | None = None) -> float:
+    """Mean of a metric over steps [lo, hi), ignoring the steps where it is undefined (NaN)."""
+    xs = [h[key] for h in history[lo:hi] if key in h and math.isfinite(h[key])]
+    return statistics.fmean(xs) if xs else math.nan
+
+
+def _cell(xs: list[float], digits: int = 2) -> str:
+    xs = [x for x in xs if math.isfinite(x)]
+    if not xs:
+        return "n/a"
+    return f"{statistics.fmean(xs):.{digits}f}" + (f" ± {statistics.pstdev(xs):.{digits}f}" if len(xs) > 1 else "")
+
+
+def table(runs: dict[Variant, list[list[dict]]], args: argparse.Namespace) -> str:
+    """The markdown table: one row per variant, each cell mean ± std over seeds."""
+    last, run = -args.final, WARMUP  # EV and correlation: over the run after the default warm-up
+    head = ["model", "variant", "start reward", "final reward", "EV", *(f"EV {p}" for p in POSITIONS),
+            "EV, end", "corr(V, R)", f"critic grad norm, steps 0-{args.final}", "critic grad norm, end"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for v, hs in runs.items():
+        cells = [MODELS[v.kind], v.name, _cell([window_mean(h, "reward/mean", 0, 20) for h in hs], 3),
+                 _cell([window_mean(h, "reward/mean", last) for h in hs], 3),
+                 _cell([window_mean(h, "value/explained_var", run) for h in hs]),
+                 *(_cell([window_mean(h, f"value/explained_var_{p}", run) for h in hs]) for p in POSITIONS),
+                 _cell([window_mean(h, "value/explained_var", last) for h in hs]),
+                 _cell([window_mean(h, "value/return_corr", run) for h in hs]),
+                 _cell([window_mean(h, "grad_norm/critic", 0, args.final) for h in hs], 3),
+                 _cell([window_mean(h, "grad_norm/critic", last) for h in hs], 3)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def smooth(history: list[dict], key: str) -> np.ndarray:
+    """SMOOTH-step trailing mean of a metric, NaN steps skipped (entry i ends at step i + SMOOTH − 1)."""
+    y = np.array([h.get(key, math.nan) for h in history], dtype=float)
+    ok = np.isfinite(y)
+    kernel = np.ones(min(SMOOTH, len(y)))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.convolve(np.where(ok, y, 0), kernel, "valid") / np.convolve(ok, kernel, "valid")
+
+
+def plot(runs: dict[Variant, list[list[dict]]], path: Path, ceiling: dict[str, float]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("reward/mean", "reward"), ("value/explained_var", "critic explained variance"),
+              ("grad_norm/critic", "critic gradient norm (before clipping)")]
+    fig, axes = plt.subplots(len(MODELS), len(panels) + 1, figsize=(22, 4.6 * len(MODELS)), squeeze=False)
+    for row, kind in zip(axes, MODELS):
+        mine = {v: hs for v, hs in runs.items() if v.kind == kind}
+        for ax, (key, title) in zip(row, panels):
+            for v, hs in mine.items():
+                curves = np.array([smooth(h, key) for h in hs])
+                x = np.arange(curves.shape[1]) + len(hs[0]) - curves.shape[1]
+                ax.plot(x, np.nanmean(curves, 0), label=v.name, ls="--" if v.start == "random" else "-")
+            ax.set(title=f"{MODELS[kind]}: {title} ({SMOOTH}-step mean)", xlabel="learner step")
+            if key == "grad_norm/critic":
+                ax.set_yscale("log")
+        row[0].legend(fontsize=7)
+        ax = row[-1]  # EV by third of the response over the run: where the critic knows R
+        width = 0.8 / max(len(mine), 1)
+        for i, (v, hs) in enumerate(mine.items()):
+            ev = [np.nanmean([window_mean(h, f"value/explained_var_{p}", WARMUP) for h in hs]) for p in POSITIONS]
+            ax.bar(np.arange(3) + i * width, ev, width, label=v.name)
+        ax.set_xticks(np.arange(3) + 0.4 - width / 2, POSITIONS)
+        ax.axhline(0, color="k", lw=0.5)
+        if ceiling:
+            ax.scatter(np.arange(3) + 0.4 - width / 2, [ceiling[p] for p in POSITIONS], marker="_", s=600,
+                       color="k", label="best possible critic at the start")
+        ax.legend(fontsize=7)
+        ax.set(title=f"{MODELS[kind]}: EV by third of the response, steps {WARMUP}-end")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=16, help="trajectories per step")
+    parser.add_argument("--lr-policy", type=float, default=2e-4,
+                        help="small enough that the reward takes ~100 steps to rise, so that the "
+                             "critic has a moving target with variance to explain")
+    parser.add_argument("--lr-critic", type=float, default=3e-3)
+    parser.add_argument("--final", type=int, default=50, help="last steps averaged into the final figures")
+    parser.add_argument("--jobs", type=int, default=2, help="runs in parallel, one CPU thread each")
+    parser.add_argument("--quick", action="store_true",
+                        help="quick starts, 12 steps, 1 seed, the three algorithms only (a smoke run)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "critic_ablation",
+                        help="writes OUT.md and OUT.png")
+    parser.add_argument("--cache", type=Path, default=CACHE, help="folder of the starting points")
+    parser.add_argument("--raw", type=Path, default=CACHE.parent / "bench" / "critic_ablation.json",
+                        help="where every run's per-step metrics go")
+    args = parser.parse_args()
+    if args.quick:
+        args.steps, args.seeds, args.final = 12, 1, 6
+    torch.set_num_threads(1)
+    start_time = time.perf_counter()
+    # the random start is the same architecture saved untrained (0 steps), so only training differs
+    starts = {(kind, start): pretrained_start(kind, quick=args.quick, cache=args.cache,
+                                              **({"steps": 0} if start == "random" else {}))
+              for kind in MODELS for start in ("trained", "random")}
+    vs = variants(args.quick, args.lr_critic)
+    jobs = [(v, starts[v.kind, v.start], seed) for v in vs for seed in range(args.seeds)]
+    with ProcessPoolExecutor(args.jobs) as pool:
+        results = list(pool.map(one_run, *zip(*jobs), [args] * len(jobs)))
+    runs: dict[Variant, list[list[dict]]] = {v: [] for v in vs}
+    for (v, _, _), history in zip(jobs, results):
+        runs[v].append(history)
+    header = (f"critic ablation: toy-target, {args.steps} steps x {args.batch} trajectories, seeds "
+              f"0..{args.seeds - 1}, lr {args.lr_policy:g} policy / {args.lr_critic:g} critic, "
+              f"{'quick ' if args.quick else ''}trained starts {', '.join(str(starts[k, 'trained'].name) for k in MODELS)}; "
+              f"final figures over the last {args.final} steps  [{platform.machine()}, {os.cpu_count()} "
+              f"cores shared, {args.jobs} jobs x 1 thread, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, "
+              f"{time.perf_counter() - start_time:.0f} s]")
+    ceiling = value_ceiling(PretrainConfig())
+    text = (header + "\n\nEV (explained variance) and corr(V, R) are means over steps "
+            f"{WARMUP}-{args.steps - 1}, 'EV, end' over the last {args.final}; the best possible critic "
+            "of the trained start's policy (bench/pretrain.py `value_ceiling`, exact Bayes values of its "
+            f"text) explains {ceiling['all']:.2f} (first / middle / last third: "
+            f"{ceiling['first']:.2f} / {ceiling['middle']:.2f} / {ceiling['last']:.2f}).\n\n"
+            + table(runs, args) + "\n")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    # every run's per-step metrics, for another look without rerunning (not committed: megabytes)
+    args.raw.parent.mkdir(parents=True, exist_ok=True)
+    args.raw.write_text(json.dumps({v.label: hs for v, hs in runs.items()}))
+    args.out.with_suffix(".md").write_text(text)
+    plot(runs, args.out.with_suffix(".png"), ceiling)
+    print(text)
+    print(f"wrote {args.out.with_suffix('.md')} and {args.out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

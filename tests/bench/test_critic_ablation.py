@@ -1,0 +1,32 @@
+"""bench/critic_ablation.py end to end in its quick mode: quick starts trained for both models, a
+few steps of sao, sao_k1 and sao_full_critic on each, a table with every row's critic diagnostics
+defined, the PNG and every run's per-step metrics written (a smoke run; its numbers mean nothing)."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_quick_ablation_writes_a_full_table_a_png_and_the_runs(tmp_path):
+    out, raw = tmp_path / "ablation", tmp_path / "raw.json"
+    env = os.environ | {"HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "bench/critic_ablation.py", "--quick", "--jobs", "2",
+                           "--out", str(out), "--cache", str(tmp_path / "starts"), "--raw", str(raw)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split(" | ") for line in out.with_suffix(".md").read_text().splitlines()
+            if line.startswith(("| dense", "| MoE"))]
+    assert sorted((r[0], r[1]) for r in rows) == sorted(
+        (f"| {m}", a) for m in ("dense", "MoE") for a in ("sao", "sao_k1", "sao_full_critic"))
+    for r in rows:  # rewards, EV overall and by third, correlation and gradient norms all measured
+        assert all(math.isfinite(float(c.strip(" |").split(" ± ")[0])) for c in r[2:]), r
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    runs = json.loads(raw.read_text())
+    assert len(runs) == 6 and all(len(h) == 12 for hs in runs.values() for h in hs)
+    assert all("value/explained_var_last" in h[-1] and "grad_norm/critic" in h[-1]
+               for hs in runs.values() for h in hs)
