@@ -28,7 +28,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.async_stability import ALGORITHMS  # noqa: E402
+from bench.async_stability import ALGORITHMS, finite_mean  # noqa: E402
 from bench.pretrain import pretrained_start  # noqa: E402
 from sao.broker import BrokerConfig, cluster  # noqa: E402
 from sao.report import load_steps  # noqa: E402
@@ -39,22 +39,17 @@ GROUP = 8  # rollouts per prompt of the GRPO variants, as in the sweep
 EDGE = 20  # steps in the first and last reward windows
 
 
-def mean(xs: list[float]) -> float:
-    xs = [x for x in xs if x is not None and math.isfinite(x)]
-    return statistics.fmean(xs) if xs else math.nan
-
-
 def summary(steps: list[dict]) -> dict[str, str]:
     """One table row from a learner's metrics.jsonl records."""
     reward = [s.get("reward/mean", math.nan) for s in steps]
     return {"steps": str(len(steps)),
-            "reward first 20": f"{mean(reward[:EDGE]):.3f}",
-            "reward last 20": f"{mean(reward[-EDGE:]):.3f}",
+            "reward first 20": f"{finite_mean(reward[:EDGE]):.3f}",
+            "reward last 20": f"{finite_mean(reward[-EDGE:]):.3f}",
             "staleness p50": f"{statistics.median(s.get('stale/p50', math.nan) for s in steps):.1f}",
             "staleness max": str(max(s.get("stale/max", 0) for s in steps)),
             "dropped stale": str(steps[-1].get("count/stale", 0)),
-            "DIS kept": f"{mean([s.get('dis/kept_frac') for s in steps]):.4f}",
-            "EV last 20": "-" if math.isnan(ev := mean([s.get("value/explained_var", math.nan)
+            "DIS kept": f"{finite_mean([s.get('dis/kept_frac') for s in steps]):.4f}",
+            "EV last 20": "-" if math.isnan(ev := finite_mean([s.get("value/explained_var", math.nan)
                                                          for s in steps[-EDGE:]])) else f"{ev:.3f}"}
 
 

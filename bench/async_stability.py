@@ -16,8 +16,9 @@ and GRPO+DIS stay stable to ~1,000 steps.
 
 Prints and writes `--out`.md: per staleness and method, the final reward (mean of the last `--final`
 steps; mean ± std over seeds), collapse rate and median collapse step, DIS kept fraction, the
-critic's explained variance (last `--final` steps) and the policy entropy at the end; and `--out`.png:
-the reward curves per staleness, collapses marked. Run: `python bench/async_stability.py [--quick]`.
+critic's explained variance (its median over the run's steps) and the policy entropy at the end;
+and `--out`.png: the reward curves per staleness, collapses marked. Run:
+`python bench/async_stability.py [--quick]`.
 """
 
 from __future__ import annotations
@@ -59,6 +60,13 @@ def trailing_mean(x: list[float], window: int = SMOOTH) -> np.ndarray:
     return (c[i] - c[np.maximum(i - window, 0)]) / np.minimum(i, window)
 
 
+def finite_mean(xs: list[float]) -> float:
+    """Mean of the finite values; NaN if none (explained variance is undefined on a step whose
+    returns are all equal, and absent without a critic)."""
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    return statistics.fmean(xs) if xs else math.nan
+
+
 def collapse_step(reward: list[float], loss: list[float], skipped: list[float],
                   patience: int = 50) -> int | None:
     """First step of the first run of `patience` steps with the smoothed reward below half its
@@ -90,14 +98,16 @@ def row(runs: list[Curves], final: int, patience: int) -> dict[str, str]:
     finals = [statistics.fmean(r["reward"][-final:]) for r in runs]
     collapses = [s for r in runs if (s := collapse_step(r["reward"], r["loss"], r["skipped"], patience))
                  is not None]
-    ev = [statistics.fmean(r["ev"][-final:]) for r in runs]
+    # the median step: near a reward of 1 the returns barely vary and one step's EV can be -10
+    ev = finite_mean([statistics.median(e) if (e := [x for x in r["ev"] if math.isfinite(x)]) else math.nan
+                      for r in runs])
     return {"start reward": f"{statistics.fmean(statistics.fmean(r['reward'][:SMOOTH]) for r in runs):.3f}",
             "final reward": f"{statistics.fmean(finals):.3f} ± {statistics.pstdev(finals):.3f}",
             "collapsed": f"{len(collapses)}/{len(runs)}",
             "median collapse step": f"{statistics.median(collapses):.0f}" if collapses else "-",
             "staleness seen": f"{statistics.fmean(statistics.fmean(r['stale']) for r in runs):.2f}",
             "DIS kept": f"{statistics.fmean(statistics.fmean(r['kept']) for r in runs):.4f}",
-            "EV (final)": "-" if math.isnan(ev[0]) else f"{statistics.fmean(ev):.3f}",
+            "EV (median step)": "-" if math.isnan(ev) else f"{ev:.3f}",
             "entropy (final)": f"{statistics.fmean(statistics.fmean(r['entropy'][-final:]) for r in runs):.2f}"}
 
 
@@ -130,7 +140,7 @@ def plot(curves: dict[tuple[int, str], list[Curves]], staleness: list[int], args
                     ax.plot(c, smooth[c], "x", color=color, ms=8, mew=2)
         ax.set(title=f"rollouts {s} versions old", xlabel="learner step", ylim=(0, 1))
     axes[0][0].set_ylabel(f"reward ({SMOOTH}-step mean over seeds; x = collapse)")
-    axes[0][-1].legend(fontsize=8)
+    axes[0][0].legend(fontsize=8)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
