@@ -24,7 +24,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "demo": ("sao.demo", "DemoConfig", "broker + topics + a visible produce -> consume round trip"),
     "producer": ("producers.service", "ProducerConfig", "play prompts from sao.prompts, publish trajectories"),
     "feed": ("producers.feeder", "FeedConfig", "publish prompts (JSONL or env generator) with backpressure"),
-    "serve": ("producers.serve", "ServeConfig", "completions endpoint over the hf backend, following sao.weights"),
+    "serve": ("producers.serve", "ServeConfig", "completions and chat (rollout proxy) over the hf backend, following sao.weights"),
     "learner": ("learner.service", "LearnerConfig", "streaming SAO learner: trajectories in, FSDP2 training, weights out"),
     "reward-join": ("consumers.joiner", "JoinerConfig", "join pending trajectories with live rewards (faust), publish them"),
     "reward publish": ("consumers.rewards", "PublishConfig", "publish one reward for a trajectory id"),
