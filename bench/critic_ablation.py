@@ -5,13 +5,15 @@ necessary (SAO.md §9) and the random start every earlier run used (SAO.md §5, 
 
 Every run is bench/loop.py's in-process loop: on-policy rollouts, `--batch` single-rollout
 trajectories per step. Prints and writes (`--out`, default bench/results/critic_ablation.md and
-.png) one row per variant: the final reward (mean of the last `--final` steps, mean ± std over
-seeds), the starting reward (first 20 steps), the critic's explained variance over the last
-`--final` steps, overall and by third of the response (first / middle / last action tokens), the
-value/return correlation, and the critic gradient norm (before clipping) early and late.
+.png) one row per variant, each cell mean ± std over seeds: the starting reward (first 20 steps)
+and the final one (last `--final` steps); the critic's explained variance after the warm-up,
+overall and by third of the response (first / middle / last action tokens), and over the last
+`--final` steps; the value/return correlation; the critic gradient norm (before clipping) early and
+late. The header gives the explained variance of the best possible critic of the starting policy.
 
-Run: `python bench/critic_ablation.py [--steps 400 --seeds 3 --jobs 2]`; `--quick` trains the
-quick starts and runs a few steps of the three algorithms on both models (a smoke run, no result).
+Run: `python bench/critic_ablation.py [--steps 400 --seeds 3 --jobs 2] [--models llama qwen3_moe
+smollm2]`; `--quick` trains the quick starts and runs 12 steps of the three algorithms on each
+model (a smoke run: its numbers mean nothing).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from bench.pretrain import CACHE, PretrainConfig, pretrained_start, value_ceilin
 from learner.update import UpdateConfig  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-MODELS = {"llama": "dense", "qwen3_moe": "MoE"}
+MODELS = {"llama": "dense", "qwen3_moe": "MoE", "smollm2": "SmolLM2"}
 POSITIONS = ("first", "middle", "last")
 SMOOTH = 20
 WARMUP = UpdateConfig().warmup_steps
@@ -60,10 +62,10 @@ class Variant:
         return f"{MODELS[self.kind]} {self.name}"
 
 
-def variants(quick: bool, lr_critic: float) -> list[Variant]:
-    """The three algorithms on both models; on the dense model the knobs and the random start."""
-    out = [Variant(a, kind, a) for kind in MODELS for a in ("sao", "sao_k1", "sao_full_critic")]
-    if quick:
+def variants(kinds: list[str], quick: bool, lr_critic: float) -> list[Variant]:
+    """The three algorithms on each model; on the tiny dense model the knobs and the random start."""
+    out = [Variant(a, kind, a) for kind in kinds for a in ("sao", "sao_k1", "sao_full_critic")]
+    if quick or "llama" not in kinds:
         return out
     return out + [
         Variant("sao +whiten", knobs={"whiten_advantages": True}),
@@ -136,8 +138,9 @@ def plot(runs: dict[Variant, list[list[dict]]], path: Path, ceiling: dict[str, f
 
     panels = [("reward/mean", "reward"), ("value/explained_var", "critic explained variance"),
               ("grad_norm/critic", "critic gradient norm (before clipping)")]
-    fig, axes = plt.subplots(len(MODELS), len(panels) + 1, figsize=(22, 4.6 * len(MODELS)), squeeze=False)
-    for row, kind in zip(axes, MODELS):
+    kinds = list(dict.fromkeys(v.kind for v in runs))
+    fig, axes = plt.subplots(len(kinds), len(panels) + 1, figsize=(22, 4.6 * len(kinds)), squeeze=False)
+    for row, kind in zip(axes, kinds):
         mine = {v: hs for v, hs in runs.items() if v.kind == kind}
         for ax, (key, title) in zip(row, panels):
             for v, hs in mine.items():
@@ -182,6 +185,9 @@ def main() -> None:
                         help="quick starts, 12 steps, 1 seed, the three algorithms only (a smoke run)")
     parser.add_argument("--out", type=Path, default=RESULTS / "critic_ablation",
                         help="writes OUT.md and OUT.png")
+    parser.add_argument("--models", nargs="+", default=["llama", "qwen3_moe"], choices=list(MODELS),
+                        help="starting points (bench/pretrain.py kinds); smollm2: SmolLM2-135M taught the "
+                             "same text, far slower on a CPU")
     parser.add_argument("--cache", type=Path, default=CACHE, help="folder of the starting points")
     parser.add_argument("--raw", type=Path, default=CACHE.parent / "bench" / "critic_ablation.json",
                         help="where every run's per-step metrics go")
@@ -190,11 +196,11 @@ def main() -> None:
         args.steps, args.seeds, args.final = 12, 1, 6
     torch.set_num_threads(1)
     start_time = time.perf_counter()
+    vs = variants(args.models, args.quick, args.lr_critic)
     # the random start is the same architecture saved untrained (0 steps), so only training differs
     starts = {(kind, start): pretrained_start(kind, quick=args.quick, cache=args.cache,
                                               **({"steps": 0} if start == "random" else {}))
-              for kind in MODELS for start in ("trained", "random")}
-    vs = variants(args.quick, args.lr_critic)
+              for kind, start in dict.fromkeys((v.kind, v.start) for v in vs)}
     jobs = [(v, starts[v.kind, v.start], seed) for v in vs for seed in range(args.seeds)]
     with ProcessPoolExecutor(args.jobs) as pool:
         results = list(pool.map(one_run, *zip(*jobs), [args] * len(jobs)))
@@ -203,7 +209,7 @@ def main() -> None:
         runs[v].append(history)
     header = (f"critic ablation: toy-target, {args.steps} steps x {args.batch} trajectories, seeds "
               f"0..{args.seeds - 1}, lr {args.lr_policy:g} policy / {args.lr_critic:g} critic, "
-              f"{'quick ' if args.quick else ''}trained starts {', '.join(str(starts[k, 'trained'].name) for k in MODELS)}; "
+              f"{'quick ' if args.quick else ''}trained starts {', '.join(str(starts[k, 'trained'].name) for k in args.models)}; "
               f"final figures over the last {args.final} steps  [{platform.machine()}, {os.cpu_count()} "
               f"cores shared, {args.jobs} jobs x 1 thread, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, "
               f"{time.perf_counter() - start_time:.0f} s]")
