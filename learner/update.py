@@ -66,6 +66,9 @@ class UpdateConfig:
     """Discount γ of skip-observation GAE (our choice; the paper is silent)."""
     alpha: float = 1.5
     """α of the policy's length-adaptive λ = 1 − 1/(α·l)."""
+    lambda_length: Literal["response", "actions"] = "response"
+    """l of the adaptive λ: every token after the prompt, observations included (our choice, SAO.md
+    §4), or the action tokens only (a synchronous SAO port's choice, SAO.md §9)."""
     critic_updates: int = 2
     """K critic optimizer steps per policy step, on the same batch (`sao_k1` uses 1)."""
     warmup_steps: int = 10
@@ -266,7 +269,8 @@ class SAOUpdate:
             b, mask = mb.batch, mb.batch.action_mask
             if self.settings.advantage == "gae":
                 mb.values = critic_values(self.critic, b, packed=cfg.packed)
-                lam = adaptive_lambda(b.response_len, cfg.alpha)  # (b,)
+                length = b.response_len if cfg.lambda_length == "response" else mask.sum(-1)
+                lam = adaptive_lambda(length, cfg.alpha)  # (b,)
                 mb.adv, _ = skip_observation_gae(b.rewards, mb.values, mask, cfg.gamma, lam)
                 _, mb.returns = skip_observation_gae(b.rewards, mb.values, mask, cfg.gamma, 1.0)
                 stats.add({"value/mean": _mean(mb.values, mask, plan)}

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from learner.gae import adaptive_lambda, skip_observation_gae
 from learner.logprobs import collate, token_rewards
 from learner.microbatch import plan_step
 from learner.models import tiny_llama
@@ -110,6 +111,19 @@ def test_whitened_advantages_have_the_steps_mean_zero_and_std_one():
     torch.testing.assert_close(white[mask].double(), (a - a.mean()) / a.std(unbiased=False),
                                rtol=1e-5, atol=1e-5)
     assert (white[~mask] == 0).all()
+
+
+def test_adaptive_lambda_counts_every_response_token_or_only_actions():
+    """toy-multiturn puts 2 observation tokens between turns, so the two lengths differ."""
+    trajs = rollouts(build("sao"), num_prompts=3)
+    batch = collate(trajs)
+    actions = batch.action_mask.sum(-1)
+    assert (actions < batch.response_len).all()
+    for length, l in (("response", batch.response_len), ("actions", actions)):
+        adv, _, values = advantages(build("sao", lambda_length=length), trajs)
+        expected, _ = skip_observation_gae(batch.rewards, values, batch.action_mask, 1.0,
+                                           adaptive_lambda(l, 1.5))
+        torch.testing.assert_close(adv, expected)
 
 
 @pytest.mark.parametrize("env", ["toy-target", "toy-multiturn"])
