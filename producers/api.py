@@ -6,6 +6,11 @@ takes OpenAI chat messages (and `tools`), streamed or not; its replies carry the
 `token_ids` and, like completions, `weight_versions`: spans `{version, start, end}` over the
 output tokens, since weights may change in the middle of a request.
 
+Chat messages are normalized to what the template renders and a session's later turn must
+repeat (role, text, tool calls and their ids); tool calls are parsed out of sampled text in the
+Hermes style, `<tool_call>{"name": …, "arguments": …}</tool_call>` (the byte tokenizer's template,
+Qwen, Hermes), and a reply without them, or with a block that is not such JSON, stays content.
+
 Both refuse, with a 400 naming the field, what would sample from anything but `softmax(logits / T)`
 (penalties, min_p, logit bias, stop strings, guided decoding, n > 1, alternatives in `logprobs`): the
 log-probs returned, and trained on, must be those of the distribution actually sampled from.
@@ -13,6 +18,8 @@ log-probs returned, and trained on, must be those of the distribution actually s
 
 from __future__ import annotations
 
+import json
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -20,12 +27,99 @@ from dataclasses import dataclass
 import numpy as np
 
 from producers.generate.base import Generation, SamplingParams
-from producers.proxy import RequestError, normalize, parse_tool_calls
 
 _NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0}
 _UNSUPPORTED = ("logit_bias", "bad_words", "allowed_token_ids", "min_tokens", "stop", "echo",
                 "guided_json", "guided_regex", "guided_choice", "structured_outputs", "prompt_logprobs",
                 "functions", "function_call", "top_logprobs")
+
+ROLES = ("system", "user", "assistant", "tool")
+_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+_OPEN = "<tool_call>"
+
+
+class RequestError(ValueError):
+    """A request the server refuses; `status` is the HTTP answer."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+def check_context(prompt_len: int, max_tokens: int, context: int) -> None:
+    """RequestError unless the prompt plus `max_tokens` fits the model's context window."""
+    if prompt_len + max_tokens > context:
+        raise RequestError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the "
+                           f"model's context window of {context} tokens")
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
+    """The content and OpenAI tool calls of a sampled reply; all content unless every
+    `<tool_call>` block holds {"name": str, "arguments": …}."""
+    calls = []
+    for m in _CALL.finditer(text):
+        try:
+            call = json.loads(m.group(1))
+        except ValueError:
+            return text, []
+        if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
+            return text, []
+        args = call.get("arguments", {})
+        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                      "function": {"name": call["name"],
+                                   "arguments": args if isinstance(args, str) else json.dumps(args)}})
+    return (_CALL.sub("", text) if calls else text), calls
+
+
+def streamable(text: str, tools: bool) -> int:
+    """How much of a reply still being sampled can be sent: not a trailing partial UTF-8
+    character, and with tools nothing from a `<tool_call>` (or what may begin one) on, since a
+    call is known only once complete."""
+    n = len(text.rstrip("\ufffd"))
+    if tools:
+        at = text.find(_OPEN, 0, n)
+        if at >= 0:
+            return at
+        n -= next((k for k in range(len(_OPEN) - 1, 0, -1) if text[:n].endswith(_OPEN[:k])), 0)
+    return n
+
+
+def _text(content, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise RequestError(f"{where}.content: expected a string or a list of text parts")
+
+
+def _tool_calls(calls, where: str) -> list[dict]:
+    try:
+        return [{"id": str(c["id"]), "type": "function",
+                 "function": {"name": str(c["function"]["name"]), "arguments": str(c["function"]["arguments"])}}
+                for c in calls]
+    except (KeyError, TypeError):
+        raise RequestError(f"{where}.tool_calls: expected [{{id, function: {{name, arguments}}}}]") from None
+
+
+def normalize(messages) -> list[dict]:
+    """Messages as the template renders them and a later turn compares them: role, text content,
+    and the ids, names and arguments of tool calls and tool results."""
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages: expected a non-empty list")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise RequestError(f"{where}: expected an object whose role is one of {ROLES}")
+        msg = {"role": m["role"], "content": _text(m.get("content"), where)}
+        if m.get("tool_calls"):
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], where)
+        for name in ("tool_call_id", "name"):
+            if m.get(name) is not None:
+                msg[name] = str(m[name])
+        out.append(msg)
+    return out
 
 
 def parse_sampling(body: dict, n_tokens, max_tokens: int) -> SamplingParams:
@@ -118,7 +212,7 @@ def version_spans(versions: np.ndarray) -> list[dict]:
     return spans
 
 
-def _usage(prompt_len: int, out: Generation) -> dict:
+def usage(prompt_len: int, out: Generation) -> dict:
     n = len(out.token_ids)
     return {"prompt_tokens": prompt_len, "completion_tokens": n, "total_tokens": prompt_len + n}
 
@@ -127,7 +221,7 @@ def completion_response(out: Generation, prompt_ids: list[int], model: str, text
     tokens, logprobs = out.token_ids.tolist(), out.logprobs.tolist()
     names = [f"token_id:{t}" for t in tokens]
     return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": model, "usage": _usage(len(prompt_ids), out),
+            "model": model, "usage": usage(len(prompt_ids), out),
             "choices": [{"index": 0, "text": text, "finish_reason": out.finish_reason,
                          "stop_reason": tokens[-1] if out.finish_reason == "stop" else None,
                          "token_ids": tokens, "prompt_token_ids": prompt_ids,
@@ -156,7 +250,7 @@ def chat_response(out: Generation, prompt_len: int, model: str, reply: dict, *, 
                   logprobs: bool) -> dict:
     message = {**reply, "content": reply["content"] or (None if reply.get("tool_calls") else "")}
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": model, "session": session, "usage": _usage(prompt_len, out),
+            "model": model, "session": session, "usage": usage(prompt_len, out),
             "choices": [{"index": 0, "message": message, "finish_reason": finish_reason(out, reply),
                          "logprobs": chat_logprobs(out) if logprobs else None,
                          "token_ids": out.token_ids.tolist(), "weight_versions": version_spans(out.versions)}]}

@@ -16,10 +16,6 @@ message and no assistant message (assistant turns are sampled, not written); any
 400 naming the first differing message: a different history is a different episode, so a branch
 opens a new session.
 
-Tool calls are parsed from Hermes-style `<tool_call>{"name": …, "arguments": …}</tool_call>`
-blocks (the byte tokenizer's template, Qwen, Hermes); a reply without them, or with a block that
-is not such JSON, is returned as content.
-
 A session ends when the agent closes it (with a reward: onto `sao.trajectories`; without: onto
 `sao.trajectories.pending`, where a reward posted later by receipt is joined by `sao reward-join`),
 or when it has been idle for `idle_s`, then published to pending with finish_reason `truncated`.
@@ -29,10 +25,8 @@ The receipt is the trajectory id. A turn in flight keeps its session from closin
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
-import re
 import threading
 import time
 import uuid
@@ -41,6 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from producers.api import RequestError, check_context
 from producers.envs.chat import Chat
 from producers.generate.base import Generation, SamplingParams
 from schemas import topics as T
@@ -48,95 +43,6 @@ from schemas.kafka import KafkaConfig, produce
 from schemas.messages import Trajectory
 
 log = logging.getLogger(__name__)
-
-ROLES = ("system", "user", "assistant", "tool")
-_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
-_OPEN = "<tool_call>"
-
-
-class RequestError(ValueError):
-    """A request the server refuses; `status` is the HTTP answer."""
-
-    def __init__(self, message: str, status: int = 400):
-        super().__init__(message)
-        self.status = status
-
-
-def check_context(prompt_len: int, max_tokens: int, context: int) -> None:
-    """RequestError unless the prompt plus `max_tokens` fits the model's context window."""
-    if prompt_len + max_tokens > context:
-        raise RequestError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the "
-                           f"model's context window of {context} tokens")
-
-
-def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
-    """The content and OpenAI tool calls of a sampled reply; all content unless every
-    `<tool_call>` block holds {"name": str, "arguments": …}."""
-    calls = []
-    for m in _CALL.finditer(text):
-        try:
-            call = json.loads(m.group(1))
-        except ValueError:
-            return text, []
-        if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
-            return text, []
-        args = call.get("arguments", {})
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": call["name"],
-                                   "arguments": args if isinstance(args, str) else json.dumps(args)}})
-    return (_CALL.sub("", text) if calls else text), calls
-
-
-def streamable(text: str, tools: bool) -> int:
-    """How much of a reply still being sampled can be sent: not a trailing partial UTF-8
-    character, and with tools nothing from a `<tool_call>` (or what may begin one) on, since a
-    call is known only once complete."""
-    n = len(text.rstrip("\ufffd"))
-    if tools:
-        at = text.find(_OPEN, 0, n)
-        if at >= 0:
-            return at
-        n -= next((k for k in range(len(_OPEN) - 1, 0, -1) if text[:n].endswith(_OPEN[:k])), 0)
-    return n
-
-
-def _text(content, where: str) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
-    raise RequestError(f"{where}.content: expected a string or a list of text parts")
-
-
-def _tool_calls(calls, where: str) -> list[dict]:
-    try:
-        return [{"id": str(c["id"]), "type": "function",
-                 "function": {"name": str(c["function"]["name"]), "arguments": str(c["function"]["arguments"])}}
-                for c in calls]
-    except (KeyError, TypeError):
-        raise RequestError(f"{where}.tool_calls: expected [{{id, function: {{name, arguments}}}}]") from None
-
-
-def normalize(messages) -> list[dict]:
-    """Messages as the template renders them and a later turn compares them: role, text content,
-    and the ids, names and arguments of tool calls and tool results."""
-    if not isinstance(messages, list) or not messages:
-        raise RequestError("messages: expected a non-empty list")
-    out = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise RequestError(f"{where}: expected an object whose role is one of {ROLES}")
-        msg = {"role": m["role"], "content": _text(m.get("content"), where)}
-        if m.get("tool_calls"):
-            msg["tool_calls"] = _tool_calls(m["tool_calls"], where)
-        for name in ("tool_call_id", "name"):
-            if m.get(name) is not None:
-                msg[name] = str(m[name])
-        out.append(msg)
-    return out
-
 
 def new_messages(known: list[dict], messages: list[dict]) -> list[dict]:
     """The messages added since the session's last turn; RequestError where the agent's history

@@ -36,13 +36,14 @@ import uuid
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from producers.api import (assistant_reply, chat_chunk, chat_logprobs, chat_response, completion_response,
-                           finish_reason, parse_chat, parse_request, version_spans)
+from producers.api import (RequestError, assistant_reply, chat_chunk, chat_logprobs, chat_response,
+                           check_context, completion_response, finish_reason, parse_chat, parse_request, streamable,
+                           usage, version_spans)
 from producers.envs.chat import Chat
 from producers.generate.base import Generation, SamplingParams
 from producers.generate.hf import HFGenerator
 from producers.models import load_model
-from producers.proxy import RequestError, Sessions, check_context, kafka_publisher, streamable
+from producers.proxy import Sessions, kafka_publisher
 from producers.weights import WeightSubscriber
 from schemas import topics as T
 from schemas.config import ConfigError, is_loopback
@@ -103,12 +104,16 @@ def make_server(gen: HFGenerator, tokenizer, *, host: str = "127.0.0.1", port: i
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
-        def _send(self, status: int, payload: dict, headers: dict | None = None) -> None:
-            data = json.dumps(payload).encode()
+        def _head(self, status: int, headers: dict) -> None:
             self.send_response(status)
-            for k, v in {"Content-Type": "application/json", "Content-Length": str(len(data)), **(headers or {})}.items():
+            for k, v in headers.items():
                 self.send_header(k, v)
             self.end_headers()
+
+        def _send(self, status: int, payload: dict, headers: dict | None = None) -> None:
+            data = json.dumps(payload).encode()
+            self._head(status, {"Content-Type": "application/json", "Content-Length": str(len(data)),
+                                **(headers or {})})
             self.wfile.write(data)
 
         def do_GET(self):
@@ -187,7 +192,8 @@ def make_server(gen: HFGenerator, tokenizer, *, host: str = "127.0.0.1", port: i
                     return self._stream(req, s, prompt, params)
                 out = self._generate(prompt, params)
                 reply = assistant_reply(sessions.chat.decode(out.token_ids), req.parse_tools)
-                sessions.finish(s, req.messages, prompt, out, reply)  # before the answer: the next turn may follow at once
+                # recorded before the answer goes out: the agent's next turn may follow at once
+                sessions.finish(s, req.messages, prompt, out, reply)
             finally:
                 sessions.abort(s)
             self._send(200, chat_response(out, len(prompt), model_name, reply, session=s.id or None,
@@ -197,11 +203,8 @@ def make_server(gen: HFGenerator, tokenizer, *, host: str = "127.0.0.1", port: i
             """SSE: a chunk per decodable piece of text, the tool calls and finish reason last, then [DONE]."""
             head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
                     "created": int(time.time()), "model": model_name, "session": s.id or None}
-            self.send_response(200)
-            for k, v in {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "close",
-                         **({"X-SAO-Session": s.id} if s.id else {})}.items():
-                self.send_header(k, v)
-            self.end_headers()
+            self._head(200, {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "close",
+                             **({"X-SAO-Session": s.id} if s.id else {})})
             self.close_connection = True  # the stream ends when the connection does
             tokens: queue.SimpleQueue = queue.SimpleQueue()
             future = gen.submit(prompt, params, tokens.put)
@@ -233,9 +236,7 @@ def make_server(gen: HFGenerator, tokenizer, *, host: str = "127.0.0.1", port: i
                                    logprobs=chat_logprobs(out) if req.logprobs else None,
                                    token_ids=out.token_ids.tolist(), weight_versions=version_spans(out.versions)))
             if req.usage_chunk:
-                n = len(out.token_ids)
-                self._event({**head, "choices": [], "usage": {"prompt_tokens": len(prompt), "completion_tokens": n,
-                                                              "total_tokens": len(prompt) + n}})
+                self._event({**head, "choices": [], "usage": usage(len(prompt), out)})
             self.wfile.write(b"data: [DONE]\n\n")
 
         def _event(self, payload: dict) -> None:

@@ -22,7 +22,8 @@ from examples.agent import TOOLS, first_messages, play
 from producers.envs.chat import Chat
 from producers.generate.hf import HFGenerator
 from producers.models import TINY_LLAMA_BYTES, load_model
-from producers.proxy import Sessions, kafka_publisher, parse_tool_calls, streamable
+from producers.api import parse_tool_calls, streamable
+from producers.proxy import Sessions, kafka_publisher
 from producers.serve import ServeConfig, make_server
 from schemas import topics as T
 from schemas.config import ConfigError
@@ -31,7 +32,7 @@ from schemas.messages import Reward
 from schemas.tokenizers import ByteTokenizer
 from tests.consumers.util import joiner, publish
 from tests.producers.test_serve import T as TEMPERATURE, _learner_model, _max_gap
-from tests.producers.util import REPO, read_topic, wait_until
+from tests.producers.util import REPO, read_topic
 
 QUESTION, ANSWER = "What is 6 * 7?", "42"
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "6 * 7"}}</tool_call>'
@@ -182,7 +183,8 @@ def test_a_reward_posted_later_by_receipt_is_joined_onto_the_trajectories_topic(
 def test_an_idle_session_is_published_to_pending_as_truncated(taught, kafka_cfg):
     proxy = Proxy(taught, kafka_cfg, idle_s=0.5)
     try:
-        receipt = proxy.chat(messages=[{"role": "user", "content": "hi"}], max_tokens=8, session="new").json()["session"]
+        r = proxy.chat(messages=[{"role": "user", "content": "hi"}], max_tokens=8, session="new")
+        receipt = r.json()["session"]
         traj = _read(kafka_cfg, T.PENDING, receipt)
         assert traj.finish_reason == "truncated" and traj.meta == {"closed": "expired"} and traj.num_turns == 1
         r = httpx.post(f"{proxy.url}/v1/sessions/{receipt}/close", headers=proxy.headers, json={"reward": 1})

@@ -23,8 +23,7 @@ from producers.generate.hf import HFGenerator
 from producers.generate.http import HttpGenerator
 from producers.models import TINY_LLAMA, TINY_LLAMA_BYTES, load_model
 from schemas.tokenizers import load_tokenizer
-from producers.api import parse_request, version_spans
-from producers.proxy import RequestError
+from producers.api import RequestError, parse_request, version_spans
 from producers.serve import make_server
 from producers.weights import WeightSubscriber
 from tests.producers.util import announcement, publish, wait_until, write_weights
