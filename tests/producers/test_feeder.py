@@ -124,6 +124,8 @@ def test_impossible_feed_settings_name_the_flag():
     for name in ("epochs", "group_size", "max_unfinished"):
         with pytest.raises(ConfigError, match=f"--{name.replace('_', '-')}"):
             FeedConfig(**{name: 0})
+    with pytest.raises(ConfigError, match="no sample_task.*give it --dataset"):
+        FeedConfig(env="tests.producers.test_plugins:Recording")  # a text env fed only by datasets
 
 
 def test_parquet_rows_become_prompts_with_struct_or_json_tasks(tmp_path):

@@ -1,6 +1,6 @@
 import torch
 
-from learner.models import tiny_llama as learner_tiny_llama
+from learner.models import ModelConfig, build_policy, tiny_llama as learner_tiny_llama
 from schemas.tokenizers import ByteTokenizer
 from producers.models import TINY_LLAMA, TINY_LLAMA_BYTES, load_model
 from schemas.tokenizers import load_tokenizer
@@ -17,6 +17,8 @@ def test_tiny_llama_is_bit_identical_to_the_learners_for_the_same_seed():
                  learner_tiny_llama(vocab_size=TINY_LLAMA_BYTES["vocab_size"],
                                     max_positions=TINY_LLAMA_BYTES["max_positions"], seed=3))
     assert not _same(load_model("tiny-llama", seed=3), load_model("tiny-llama", seed=4))
+    # the learner builds the producers' text-env tiny model by the same name
+    assert _same(load_model("tiny-llama-bytes", seed=3), build_policy(ModelConfig(name="tiny-llama-bytes", seed=3)))
 
 
 def test_tiny_models_and_their_tokenizers():

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from producers.envs.base import Step
 from producers.envs.chat import Chat
 from producers.envs.text import text_step
 from producers.episode import Player
@@ -269,3 +270,39 @@ def test_a_text_env_that_raises_costs_its_episode_not_the_producer():
     player = Player(env=env, generator=make_generator(cfg), params=params, producer_id="t")
     with pytest.raises(SchemaError, match="step: ZeroDivisionError: division by zero in the user's scorer"):
         asyncio.run(player.play(Prompt(id="p", env=cfg.env, task={"say": "hi"})))
+
+
+class TokenEnv:
+    """A token-level plug-in env (the Env protocol) whose step fails or returns what is not tokens."""
+
+    name = "token-env"
+
+    def __init__(self, mode: str = "raise"):
+        self.mode = mode
+
+    def sample_task(self, rng):
+        return {"n": 1}
+
+    def episode(self, task):
+        mode = self.mode
+
+        class Ep:
+            prompt_ids, max_turns = [1, 2], 3
+
+            def step(self, action_ids):
+                if mode == "raise":
+                    raise KeyError("scoreboard")
+                return Step(observation=[1.5, 2.0])
+
+        return Ep()
+
+
+@pytest.mark.parametrize("mode, reason", [("raise", r"env.step: KeyError: 'scoreboard'"),
+                                          ("floats", r"env.step.observation: expected int token ids")])
+def test_a_token_env_step_that_fails_costs_its_episode_not_the_producer(mode, reason):
+    cfg = ProducerConfig(env="tests.producers.test_plugins:TokenEnv", max_tokens=2, follow_weights=False)
+    env, params, _ = make_parts(cfg, None)
+    env.mode = mode
+    player = Player(env=env, generator=make_generator(cfg), params=params, producer_id="t")
+    with pytest.raises(SchemaError, match=reason):
+        asyncio.run(player.play(Prompt(id="p", env=cfg.env, task={"n": 1})))
