@@ -121,7 +121,7 @@ class Sessions:
               max_tokens: int | None, prompt_id: str | None = None) -> tuple[Session, list[int], SamplingParams]:
         """The session of a turn (receipt None: a turn outside any session; "new": open one), the
         prompt ids to sample from, and the params with the template's stop tokens and max_tokens
-        (None: as many as fit the context). Marks the session busy until `finish` or `abort`."""
+        (None: as many as fit the context). Marks the session busy until `finish` or `release`."""
         with self._lock:
             s = self._open.get(receipt) if receipt not in (None, "new") else None
             if receipt not in (None, "new") and s is None:
@@ -140,7 +140,7 @@ class Sessions:
             n = max_tokens if max_tokens is not None else min(params.max_tokens, self.context - len(ids))
             check_context(len(ids), max(n, 1), self.context)
         except Exception:
-            self.abort(s)
+            self.release(s)
             raise
         if s.id and not s.num_turns:
             s.prompt_id = prompt_id or "proxy/" + hashlib.sha256(np.array(ids, np.int32).tobytes()).hexdigest()[:16]
@@ -175,9 +175,9 @@ class Sessions:
             s.num_turns += 1
             s.finish_reason = out.finish_reason
             s.generate_s += out.timing.get("generate_s", 0.0)
-        self.abort(s)
+        self.release(s)
 
-    def abort(self, s: Session) -> None:
+    def release(self, s: Session) -> None:
         """End a turn (done or failed); a session whose first turn failed is forgotten."""
         with self._lock:
             s.busy, s.used = False, time.monotonic()

@@ -195,7 +195,7 @@ def make_server(gen: HFGenerator, tokenizer, *, host: str = "127.0.0.1", port: i
                 # recorded before the answer goes out: the agent's next turn may follow at once
                 sessions.finish(s, req.messages, prompt, out, reply)
             finally:
-                sessions.abort(s)
+                sessions.release(s)
             self._send(200, chat_response(out, len(prompt), model_name, reply, session=s.id or None,
                                           logprobs=req.logprobs), receipt)
 
@@ -209,9 +209,9 @@ def make_server(gen: HFGenerator, tokenizer, *, host: str = "127.0.0.1", port: i
             tokens: queue.SimpleQueue = queue.SimpleQueue()
             future = gen.submit(prompt, params, tokens.put)
             future.add_done_callback(lambda f: tokens.put(None))
-            self._event(chat_chunk(head, {"role": "assistant", "content": ""}))
             sampled, sent, text = [], 0, ""
             try:
+                self._event(chat_chunk(head, {"role": "assistant", "content": ""}))
                 while (t := tokens.get()) is not None:
                     sampled.append(t)
                     text = sessions.chat.decode(sampled)

@@ -154,7 +154,7 @@ def test_streaming_sends_text_in_pieces_tool_calls_whole_and_records_the_same_tu
         {"role": "tool", "tool_call_id": calls[0].id, "content": "42"}]
     pieces = [ch.choices[0].delta.content for ch in proxy.client().chat.completions.create(
         model="default", messages=messages, tools=TOOLS, tool_choice="none", max_tokens=24, temperature=TEMPERATURE,
-        stream=True, extra_body={"session": session}) if ch.choices[0].delta.content]
+        seed=2, stream=True, extra_body={"session": session}) if ch.choices[0].delta.content]
     assert len(pieces) > 1  # streamed as sampled (no call to hold back), not in one piece at the end
     r = httpx.post(f"{proxy.url}/v1/sessions/{session}/close", headers=proxy.headers, json={})
     assert r.status_code == 200 and r.json()["topic"] == kafka_cfg.topic(T.PENDING)
