@@ -101,7 +101,7 @@ def row(runs: list[Curves], final: int, patience: int) -> dict[str, str]:
     # the median step: near a reward of 1 the returns barely vary and one step's EV can be -10
     ev = finite_mean([statistics.median(e) if (e := [x for x in r["ev"] if math.isfinite(x)]) else math.nan
                       for r in runs])
-    return {"start reward": f"{statistics.fmean(statistics.fmean(r['reward'][:SMOOTH]) for r in runs):.3f}",
+    return {"reward, steps 1-20": f"{statistics.fmean(statistics.fmean(r['reward'][:SMOOTH]) for r in runs):.3f}",
             "final reward": f"{statistics.fmean(finals):.3f} ± {statistics.pstdev(finals):.3f}",
             "collapsed": f"{len(collapses)}/{len(runs)}",
             "median collapse step": f"{statistics.median(collapses):.0f}" if collapses else "-",
