@@ -10,6 +10,8 @@ broker, each under its own topic prefix and run folder.
 Prints and writes `--out`.md: per method, the learner steps, the reward over the first and last 20
 steps, the staleness (median of the steps' p50, the largest seen), trajectories dropped as too
 stale, the DIS kept fraction, the critic's explained variance (last 20 steps) and the wall time.
+`running_mean` keys its history globally here (`--update.running-mean-scope global`): the feeder's
+prompt ids are all distinct, so per prompt it would never have a baseline.
 Run: `python bench/async_pipeline.py [--steps 150] [--quick]`.
 """
 
@@ -85,6 +87,10 @@ def main() -> None:
                 learner_flags=f"--update.algorithm {algorithm} --max-staleness {args.max_staleness} "
                               f"--update.lr-policy {args.lr} --update.lr-critic {args.lr}",
                 kafka=KafkaConfig(bootstrap=kafka.bootstrap, topic_prefix=f"stability-{algorithm}"))
+            if algorithm == "running_mean":
+                # the feeder gives every prompt a fresh id, so a per-prompt history would stay
+                # empty and every advantage 0: the global window of SAO.md §7's online setting
+                cfg.learner_flags += " --update.running-mean-scope global"
             t0 = time.monotonic()
             run_up(cfg)
             rows[algorithm] = summary(load_steps(run_dir)) | {"wall s": f"{time.monotonic() - t0:.0f}"}
