@@ -92,6 +92,8 @@ class ProducerConfig:
     """Most model turns per episode, for multi-turn environments that take it."""
     url: str = "http://127.0.0.1:8000"
     """Completions server of the http backend."""
+    serve_token: str = ""
+    """Bearer token of that server (its `--serve-token`; both read `SAO_SERVE_TOKEN`)."""
     producer_id: str = ""
     """Id written into every trajectory; default host-pid."""
     group: str = "sao-producers"
@@ -128,7 +130,7 @@ def make_generator(cfg: ProducerConfig) -> Generator:
             return HFGenerator(load_model(cfg.model, seed=cfg.seed, device=cfg.device), seed=cfg.seed)
         case "http":
             from producers.generate.http import HttpGenerator
-            return HttpGenerator(cfg.url, model=cfg.model)
+            return HttpGenerator(cfg.url, model=cfg.model, token=cfg.serve_token)
         case "vllm":
             from producers.generate.vllm import VLLMGenerator
             return VLLMGenerator(cfg.model, seed=cfg.seed)

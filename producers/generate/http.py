@@ -106,9 +106,10 @@ class HttpGenerator:
     """Implements producers.generate.base.Generator against a completions server."""
 
     def __init__(self, base_url: str, *, model: str = "default", timeout_s: float = 600.0,
-                 retries: int = 30, max_connections: int = 256):
+                 retries: int = 30, max_connections: int = 256, token: str = ""):
         self.base_url = base_url.rstrip("/")
         self.model = model
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.retries = retries
         self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         self._timeout = timeout_s
@@ -123,7 +124,8 @@ class HttpGenerator:
         loop = asyncio.get_running_loop()
         if loop not in self._clients:
             self._clients = {lp: c for lp, c in self._clients.items() if not lp.is_closed()}
-            self._clients[loop] = httpx.AsyncClient(timeout=self._timeout, limits=self._limits)
+            self._clients[loop] = httpx.AsyncClient(timeout=self._timeout, limits=self._limits,
+                                                   headers=self._headers)
         return self._clients[loop]
 
     @property
@@ -135,16 +137,21 @@ class HttpGenerator:
         self._announced = max(self._announced, version)
 
     async def _post(self, body: dict) -> dict:
-        """POST with bounded backoff on transport errors and 5xx; a 4xx raises InvalidGeneration."""
+        """POST with bounded backoff on transport errors, 429 and 5xx; another 4xx raises InvalidGeneration
+        (401/403: PermissionError, a misconfiguration every request would hit)."""
         for attempt in range(self.retries + 1):
             try:
                 r = await self.client.post(f"{self.base_url}/v1/completions", json=body)
-                if 400 <= r.status_code < 500:  # this request is refused: the prompt goes to the DLQ
+                if r.status_code in (401, 403):  # every request would be: stop, do not dead-letter them all
+                    raise PermissionError(f"server refused the token ({r.status_code}): --serve-token "
+                                          "(SAO_SERVE_TOKEN) must be the server's")
+                if 400 <= r.status_code < 500 and r.status_code != 429:  # refused: the prompt goes to the DLQ
                     raise InvalidGeneration(f"server refused the request ({r.status_code}): {r.text[:300]}")
-                if r.status_code < 500:
+                if r.status_code < 400:
                     r.raise_for_status()
                     return r.json()
-                err: Exception = httpx.HTTPStatusError(r.text[:200], request=r.request, response=r)
+                err: Exception = httpx.HTTPStatusError(f"({r.status_code}) {r.text[:200]}", request=r.request,
+                                                       response=r)
             except httpx.TransportError as e:
                 err = e
             if attempt == self.retries:

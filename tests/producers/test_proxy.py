@@ -6,10 +6,12 @@ hundred Adam steps) to answer the example agent's question with a calculator cal
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
@@ -20,7 +22,9 @@ from openai import OpenAI
 
 from examples.agent import TOOLS, first_messages, play
 from producers.envs.chat import Chat
+from producers.generate.base import SamplingParams
 from producers.generate.hf import HFGenerator
+from producers.generate.http import HttpGenerator
 from producers.models import TINY_LLAMA_BYTES, load_model
 from producers.api import parse_tool_calls, streamable
 from producers.proxy import Sessions, kafka_publisher
@@ -32,7 +36,7 @@ from schemas.messages import Reward
 from schemas.tokenizers import ByteTokenizer
 from tests.consumers.util import joiner, publish
 from tests.producers.test_serve import T as TEMPERATURE, _learner_model, _max_gap
-from tests.producers.util import REPO, read_topic
+from tests.producers.util import REPO, read_topic, wait_until
 
 QUESTION, ANSWER = "What is 6 * 7?", "42"
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "6 * 7"}}</tool_call>'
@@ -227,8 +231,9 @@ def test_prompts_beyond_the_context_window_get_400_before_any_work(proxy):
     assert httpx.get(f"{proxy.url}/health").status_code == 200
 
 
-def test_past_max_concurrent_a_request_gets_429_with_retry_after(taught, kafka_cfg):
+def test_past_max_concurrent_a_request_gets_429_and_an_http_producer_retries(taught, kafka_cfg, caplog):
     proxy = Proxy(taught, kafka_cfg, max_concurrent=1)
+    producer = HttpGenerator(proxy.url, token=TOKEN)
     engine = proxy.gen._step_lock  # held here, the engine stands still and the first request stays in flight
     engine.acquire()
     try:
@@ -239,8 +244,11 @@ def test_past_max_concurrent_a_request_gets_429_with_retry_after(taught, kafka_c
             assert next(lines).startswith("data: ")  # its role chunk: it holds the one slot
             second = proxy.chat(messages=[{"role": "user", "content": "hi"}], max_tokens=4)
             assert second.status_code == 429 and second.headers["Retry-After"] == "1"
+            later = ThreadPoolExecutor(1).submit(asyncio.run, producer.generate([1, 2], SamplingParams(max_tokens=2)))
+            wait_until(lambda: "(429)" in caplog.text)  # refused, and retrying rather than dead-lettering
             engine.release()
             assert [x for x in lines if x][-1] == "data: [DONE]"
+        assert len(later.result(timeout=60).token_ids) == 2
         assert proxy.chat(messages=[{"role": "user", "content": "hi"}], max_tokens=4).status_code == 200
     finally:
         if engine.locked():
@@ -249,6 +257,10 @@ def test_past_max_concurrent_a_request_gets_429_with_retry_after(taught, kafka_c
 
 
 def test_with_a_token_every_post_needs_it_and_beyond_loopback_one_is_required(proxy):
+    params = SamplingParams(max_tokens=2)
+    assert len(asyncio.run(HttpGenerator(proxy.url, token=TOKEN).generate([1, 2], params)).token_ids) == 2
+    with pytest.raises(PermissionError, match="--serve-token"):  # stops the producer, dead-letters nothing
+        asyncio.run(HttpGenerator(proxy.url).generate([1, 2], params))
     for path, body in [("/v1/completions", {"prompt": [1, 2], "max_tokens": 2}),
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "session": "new"}),
                        ("/v1/sessions/proxy-x/close", {"reward": 1.0})]:
