@@ -76,6 +76,10 @@ def variants(kinds: list[str], quick: bool, lr_critic: float) -> list[Variant]:
         # the verl port's fixes together: whitening, critic clip 10, a longer critic warm-up
         Variant("sao +port fixes", knobs={"whiten_advantages": True, "critic_max_grad_norm": 10.0,
                                           "warmup_steps": 20}),
+        # the policy never updates: the critic's target stands still at the start's returns, whose
+        # best possible critic is known (`value_ceiling`)
+        Variant("sao, critic only", knobs={"warmup_steps": 10 ** 9}),
+        Variant("sao_full_critic, critic only", algorithm="sao_full_critic", knobs={"warmup_steps": 10 ** 9}),
         Variant("sao, random start", start="random"),
         Variant("sao_full_critic, random start", algorithm="sao_full_critic", start="random"),
     ]
@@ -139,14 +143,16 @@ def plot(runs: dict[Variant, list[list[dict]]], path: Path, ceiling: dict[str, f
     panels = [("reward/mean", "reward"), ("value/explained_var", "critic explained variance"),
               ("grad_norm/critic", "critic gradient norm (before clipping)")]
     kinds = list(dict.fromkeys(v.kind for v in runs))
+    colors = plt.get_cmap("tab20").colors  # the default cycle has 10: the dense row has more variants
     fig, axes = plt.subplots(len(kinds), len(panels) + 1, figsize=(22, 4.6 * len(kinds)), squeeze=False)
     for row, kind in zip(axes, kinds):
         mine = {v: hs for v, hs in runs.items() if v.kind == kind}
         for ax, (key, title) in zip(row, panels):
-            for v, hs in mine.items():
+            for i, (v, hs) in enumerate(mine.items()):
                 curves = np.array([smooth(h, key) for h in hs])
                 x = np.arange(curves.shape[1]) + len(hs[0]) - curves.shape[1]
-                ax.plot(x, np.nanmean(curves, 0), label=v.name, ls="--" if v.start == "random" else "-")
+                ax.plot(x, np.nanmean(curves, 0), label=v.name, color=colors[i % len(colors)],
+                        ls="--" if v.start == "random" else "-")
             ax.set(title=f"{MODELS[kind]}: {title} ({SMOOTH}-step mean)", xlabel="learner step")
             if key == "grad_norm/critic":
                 ax.set_yscale("log")
@@ -155,7 +161,7 @@ def plot(runs: dict[Variant, list[list[dict]]], path: Path, ceiling: dict[str, f
         width = 0.8 / max(len(mine), 1)
         for i, (v, hs) in enumerate(mine.items()):
             ev = [np.nanmean([window_mean(h, f"value/explained_var_{p}", WARMUP) for h in hs]) for p in POSITIONS]
-            ax.bar(np.arange(3) + i * width, ev, width, label=v.name)
+            ax.bar(np.arange(3) + i * width, ev, width, label=v.name, color=colors[i % len(colors)])
         ax.set_xticks(np.arange(3) + 0.4 - width / 2, POSITIONS)
         ax.axhline(0, color="k", lw=0.5)
         if ceiling:
@@ -191,12 +197,38 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, default=CACHE, help="folder of the starting points")
     parser.add_argument("--raw", type=Path, default=CACHE.parent / "bench" / "critic_ablation.json",
                         help="where every run's per-step metrics go")
+    parser.add_argument("--replot", action="store_true",
+                        help="redo the table and PNG from --raw instead of training (same settings)")
     args = parser.parse_args()
     if args.quick:
         args.steps, args.seeds, args.final = 12, 1, 6
+    vs = variants(args.models, args.quick, args.lr_critic)
+    if args.replot:
+        saved = json.loads(args.raw.read_text())
+        header, runs = saved["header"], {v: saved["runs"][v.label] for v in vs}
+    else:
+        header, runs = train_all(vs, args)
+        # every run's per-step metrics, for another look without rerunning (not committed: megabytes)
+        args.raw.parent.mkdir(parents=True, exist_ok=True)
+        args.raw.write_text(json.dumps({"header": header, "runs": {v.label: hs for v, hs in runs.items()}}))
+    ceiling = value_ceiling(PretrainConfig())
+    text = (header + "\n\nEV (explained variance) and corr(V, R) are means over steps "
+            f"{WARMUP}-{args.steps - 1}, 'EV, end' over the last {args.final}; the best possible critic "
+            "of the trained start's policy (bench/pretrain.py `value_ceiling`, exact Bayes values of its "
+            f"text) explains {ceiling['all']:.2f} (first / middle / last third: "
+            f"{ceiling['first']:.2f} / {ceiling['middle']:.2f} / {ceiling['last']:.2f}).\n\n"
+            + table(runs, args) + "\n")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".md").write_text(text)
+    plot(runs, args.out.with_suffix(".png"), ceiling)
+    print(text)
+    print(f"wrote {args.out.with_suffix('.md')} and {args.out.with_suffix('.png')}")
+
+
+def train_all(vs: list[Variant], args: argparse.Namespace) -> tuple[str, dict[Variant, list[list[dict]]]]:
+    """Every variant × seed, `args.jobs` at a time; returns the results' header line and the runs."""
     torch.set_num_threads(1)
     start_time = time.perf_counter()
-    vs = variants(args.models, args.quick, args.lr_critic)
     # the random start is the same architecture saved untrained (0 steps), so only training differs
     starts = {(kind, start): pretrained_start(kind, quick=args.quick, cache=args.cache,
                                               **({"steps": 0} if start == "random" else {}))
@@ -213,21 +245,7 @@ def main() -> None:
               f"final figures over the last {args.final} steps  [{platform.machine()}, {os.cpu_count()} "
               f"cores shared, {args.jobs} jobs x 1 thread, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, "
               f"{time.perf_counter() - start_time:.0f} s]")
-    ceiling = value_ceiling(PretrainConfig())
-    text = (header + "\n\nEV (explained variance) and corr(V, R) are means over steps "
-            f"{WARMUP}-{args.steps - 1}, 'EV, end' over the last {args.final}; the best possible critic "
-            "of the trained start's policy (bench/pretrain.py `value_ceiling`, exact Bayes values of its "
-            f"text) explains {ceiling['all']:.2f} (first / middle / last third: "
-            f"{ceiling['first']:.2f} / {ceiling['middle']:.2f} / {ceiling['last']:.2f}).\n\n"
-            + table(runs, args) + "\n")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    # every run's per-step metrics, for another look without rerunning (not committed: megabytes)
-    args.raw.parent.mkdir(parents=True, exist_ok=True)
-    args.raw.write_text(json.dumps({v.label: hs for v, hs in runs.items()}))
-    args.out.with_suffix(".md").write_text(text)
-    plot(runs, args.out.with_suffix(".png"), ceiling)
-    print(text)
-    print(f"wrote {args.out.with_suffix('.md')} and {args.out.with_suffix('.png')}")
+    return header, runs
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """bench/critic_ablation.py end to end in its quick mode: quick starts trained for both models, a
 few steps of sao, sao_k1 and sao_full_critic on each, a table with every row's critic diagnostics
-defined, the PNG and every run's per-step metrics written (a smoke run; its numbers mean nothing)."""
+defined, the PNG and every run's per-step metrics written, and `--replot` redoing the same table from
+them (a smoke run; its numbers mean nothing)."""
 
 import json
 import math
@@ -26,7 +27,13 @@ def test_quick_ablation_writes_a_full_table_a_png_and_the_runs(tmp_path):
     for r in rows:  # rewards, EV overall and by third, correlation and gradient norms all measured
         assert all(math.isfinite(float(c.strip(" |").split(" ± ")[0])) for c in r[2:]), r
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    runs = json.loads(raw.read_text())
+    runs = json.loads(raw.read_text())["runs"]
     assert len(runs) == 6 and all(len(h) == 12 for hs in runs.values() for h in hs)
     assert all("value/explained_var_last" in h[-1] and "grad_norm/critic" in h[-1]
                for hs in runs.values() for h in hs)
+    table = out.with_suffix(".md").read_text()
+    out.with_suffix(".md").unlink()
+    again = subprocess.run([sys.executable, "bench/critic_ablation.py", "--quick", "--replot", "--out", str(out),
+                            "--raw", str(raw)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert out.with_suffix(".md").read_text() == table  # the same table from the saved runs
