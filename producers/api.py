@@ -60,7 +60,7 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
     for m in _CALL.finditer(text):
         try:
             call = json.loads(m.group(1))
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: JSON nested beyond Python's stack
             return text, []
         if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
             return text, []
@@ -192,7 +192,8 @@ def parse_chat(body: dict, max_tokens: int = 4096, session: str | None = None) -
     if not (session is None or isinstance(session, str) and session) or not (
             prompt_id is None or isinstance(prompt_id, str) and prompt_id):
         raise RequestError("session/prompt_id: expected non-empty strings")
-    given = body.get("max_completion_tokens", body.get("max_tokens"))
+    given = body.get("max_completion_tokens")  # the current name; max_tokens is the deprecated one
+    given = body.get("max_tokens") if given is None else given
     stream_options = body.get("stream_options") or {}
     return ChatRequest(messages=normalize(body.get("messages")), tools=tools,
                        params=parse_sampling(body, max_tokens if given is None else given, max_tokens),

@@ -158,8 +158,8 @@ def make_server(gen: HFGenerator, tokenizer, *, host: str = "127.0.0.1", port: i
                                    f"bytes per position of the model's {context}-token context window)")
             try:
                 body = json.loads(self.rfile.read(length) or b"{}")
-            except ValueError as e:  # also bad UTF-8
-                raise RequestError(f"body: not valid JSON ({e})") from None
+            except (ValueError, RecursionError) as e:  # also bad UTF-8, and nesting beyond Python's stack
+                raise RequestError(f"body: not valid JSON ({type(e).__name__}: {e})") from None
             if not isinstance(body, dict):
                 raise RequestError("body: expected a JSON object")
             return body

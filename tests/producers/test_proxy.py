@@ -225,6 +225,8 @@ def test_prompts_beyond_the_context_window_get_400_before_any_work(proxy):
         ]
     finally:
         hook.remove()
+    deep = httpx.post(f"{proxy.url}/v1/chat/completions", headers=proxy.headers, content=b"[" * 100_000)
+    assert deep.status_code == 400 and "not valid JSON" in deep.json()["error"]["message"]
     assert [r.status_code for r in over] == [400] * 4
     assert all("context window" in r.json()["error"]["message"] for r in over)
     assert not forwards
@@ -287,6 +289,8 @@ def test_tool_calls_are_parsed_only_when_every_block_is_a_call():
                                                                   "arguments": '{"expression": "6 * 7"}'}
     assert parse_tool_calls("x <tool_call>{oops}</tool_call>") == ("x <tool_call>{oops}</tool_call>", [])
     assert parse_tool_calls("no call") == ("no call", [])
+    deep = "<tool_call>" + "[" * 5000 + "</tool_call>"
+    assert parse_tool_calls(deep) == (deep, [])
 
 
 @given(st.text(alphabet="ab<>_lotc/{}\ufffd", max_size=40))
