@@ -9,7 +9,8 @@ trajectories per step. Prints and writes (`--out`, default bench/results/critic_
 and the final one (last `--final` steps); the critic's explained variance after the warm-up,
 overall and by third of the response (first / middle / last action tokens), and over the last
 `--final` steps; the value/return correlation; the critic gradient norm (before clipping) early and
-late. The header gives the explained variance of the best possible critic of the starting policy.
+late. The header gives the explained variance of the best possible critic of the starting policy;
+a second table gives reward and EV while the policy rises and after, and when the reward gets to 0.8.
 
 Run: `python bench/critic_ablation.py [--steps 400 --seeds 3 --jobs 2] [--models llama qwen3_moe
 smollm2]`; `--quick` trains the quick starts and runs 12 steps of the three algorithms on each
@@ -125,6 +126,25 @@ def table(runs: dict[Variant, list[list[dict]]], args: argparse.Namespace) -> st
     return "\n".join(lines)
 
 
+def phases_table(runs: dict[Variant, list[list[dict]]]) -> str:
+    """EV and reward while the policy rises and after it, and when the reward gets to 0.8: the
+    critic chases a moving target, or a still one in the critic-only rows."""
+    spans = [(WARMUP, 60), (60, 150), (150, None)]
+    names = [f"{lo}-{hi - 1 if hi else 'end'}" for lo, hi in spans]
+    head = ["model", "variant", *(f"reward {n}" for n in names), *(f"EV {n}" for n in names),
+            "first step at reward 0.8 (20-step mean), per seed"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for v, hs in runs.items():
+        reached = [np.flatnonzero(smooth(h, "reward/mean") >= 0.8) for h in hs]
+        cells = [MODELS[v.kind], v.name,
+                 *(_cell([window_mean(h, "reward/mean", lo, hi) for h in hs]) for lo, hi in spans),
+                 *(_cell([window_mean(h, "value/explained_var", lo, hi) for h in hs]) for lo, hi in spans),
+                 ", ".join(str(int(r[0]) + min(SMOOTH, len(h)) - 1) if r.size else "never"
+                           for r, h in zip(reached, hs))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def smooth(history: list[dict], key: str) -> np.ndarray:
     """SMOOTH-step trailing mean of a metric, NaN steps skipped (entry i ends at step i + SMOOTH − 1)."""
     y = np.array([h.get(key, math.nan) for h in history], dtype=float)
@@ -217,7 +237,7 @@ def main() -> None:
             "of the trained start's policy (bench/pretrain.py `value_ceiling`, exact Bayes values of its "
             f"text) explains {ceiling['all']:.2f} (first / middle / last third: "
             f"{ceiling['first']:.2f} / {ceiling['middle']:.2f} / {ceiling['last']:.2f}).\n\n"
-            + table(runs, args) + "\n")
+            + table(runs, args) + "\n\nOver time:\n\n" + phases_table(runs) + "\n")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".md").write_text(text)
     plot(runs, args.out.with_suffix(".png"), ceiling)
