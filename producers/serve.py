@@ -182,7 +182,8 @@ def make_server(gen: HFGenerator, tokenizer, *, host: str = "127.0.0.1", port: i
 
         def _chat(self, body: dict) -> None:
             if sessions is None:
-                raise RequestError("chat: this model has no tokenizer (no chat template); use /v1/completions")
+                raise RequestError("chat: this model has no usable chat template (see the server's log); "
+                                   "use /v1/completions")
             req = parse_chat(body, max_tokens, self.headers.get("X-SAO-Session"))
             s, prompt, params = sessions.begin(req.session, req.messages, req.tools, req.params, req.max_tokens,
                                                req.prompt_id)
@@ -244,7 +245,7 @@ def make_server(gen: HFGenerator, tokenizer, *, host: str = "127.0.0.1", port: i
 
         def _close(self, receipt: str, body: dict) -> None:
             if sessions is None:
-                raise RequestError("sessions: this model has no tokenizer (no chat template)", 404)
+                raise RequestError("sessions: this model has no usable chat template", 404)
             traj, topic = sessions.close(receipt, body.get("reward"))
             self._send(200, {"session": receipt, "trajectory_id": traj.id, "topic": topic, "reward": traj.reward,
                              "num_turns": traj.num_turns, "num_tokens": traj.num_tokens})
@@ -257,13 +258,26 @@ def make_server(gen: HFGenerator, tokenizer, *, host: str = "127.0.0.1", port: i
     return server
 
 
+def chat_template(tokenizer) -> Chat | None:
+    """The chat endpoint's template; None (completions only) for a model without a tokenizer, without
+    a chat template, or with one whose turns cannot be appended to the ids already sampled."""
+    if tokenizer is None:
+        return None
+    try:
+        return Chat(tokenizer)
+    except ValueError as e:  # transformers' "no chat_template", or Chat's prefix-stability check
+        log.warning("no /v1/chat/completions for this model: %s", e)
+        return None
+
+
 def run(cfg: ServeConfig) -> None:
     gen = HFGenerator(load_model(cfg.model, seed=cfg.seed, device=cfg.device), seed=cfg.seed)
     tokenizer = load_tokenizer(cfg.model)
     ensure_topics(cfg.kafka, [T.TRAJECTORIES, T.PENDING] + ([T.WEIGHTS] if cfg.follow_weights else []))
     producer = make_producer(cfg.kafka)
-    sessions = None if tokenizer is None else Sessions(
-        Chat(tokenizer), kafka_publisher(producer, cfg.kafka), context=gen.model.config.max_position_embeddings,
+    chat = chat_template(tokenizer)
+    sessions = None if chat is None else Sessions(
+        chat, kafka_publisher(producer, cfg.kafka), context=gen.model.config.max_position_embeddings,
         idle_s=cfg.session_idle_s, producer_id=cfg.producer_id or f"serve-{socket.gethostname()}")
     server = make_server(gen, tokenizer, host=cfg.host, port=cfg.port, model_name=cfg.model,
                          max_tokens=cfg.max_tokens, token=cfg.serve_token, max_concurrent=cfg.max_concurrent,

@@ -22,9 +22,9 @@ from producers.generate.base import SamplingParams
 from producers.generate.hf import HFGenerator
 from producers.generate.http import HttpGenerator
 from producers.models import TINY_LLAMA, TINY_LLAMA_BYTES, load_model
-from schemas.tokenizers import load_tokenizer
+from schemas.tokenizers import ByteTokenizer, load_tokenizer
 from producers.api import RequestError, parse_request, version_spans
-from producers.serve import make_server
+from producers.serve import chat_template, make_server
 from producers.weights import WeightSubscriber
 from tests.producers.util import announcement, publish, wait_until, write_weights
 
@@ -192,3 +192,20 @@ def test_concurrent_requests_share_decode_steps_and_keep_exact_log_probs(tmp_pat
         served.close()
     assert max(rows) >= 4  # batched, not one request per forward
     assert _max_gap(trajs, _learner_model(served.gen, tmp_path, TINY_LLAMA)) < 1e-4
+
+
+class _LastTurnMarked(ByteTokenizer):
+    """ChatML that marks the conversation's end, as templates that render the last turn their own
+    way do: a conversation is then not a prefix of its continuation."""
+
+    def apply_chat_template(self, messages, **kw):
+        return super().apply_chat_template(messages, **kw) + "<|endoftext|>"
+
+
+def test_without_a_usable_chat_template_the_server_answers_completions_only(served_toy):
+    assert chat_template(None) is None and chat_template(_LastTurnMarked()) is None
+    assert chat_template(ByteTokenizer()) is not None
+    r = httpx.post(f"{served_toy.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and "chat template" in r.json()["error"]["message"]
+    r = httpx.post(f"{served_toy.url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 2})
+    assert r.status_code == 200
