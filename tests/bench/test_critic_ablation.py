@@ -20,8 +20,9 @@ def test_quick_ablation_writes_a_full_table_a_png_and_the_runs(tmp_path):
                            "--out", str(out), "--cache", str(tmp_path / "starts"), "--raw", str(raw)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = [line.split(" | ") for line in out.with_suffix(".md").read_text().splitlines()
-            if line.startswith(("| dense", "| MoE"))]
+    main, over_time = out.with_suffix(".md").read_text().split("Over time:")
+    rows = [line.split(" | ") for line in main.splitlines() if line.startswith(("| dense", "| MoE"))]
+    assert sum(line.startswith(("| dense", "| MoE")) for line in over_time.splitlines()) == 6
     assert sorted((r[0], r[1]) for r in rows) == sorted(
         (f"| {m}", a) for m in ("dense", "MoE") for a in ("sao", "sao_k1", "sao_full_critic"))
     for r in rows:  # rewards, EV overall and by third, correlation and gradient norms all measured
