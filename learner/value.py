@@ -1,5 +1,6 @@
 """The value model (critic) of SAO.md §5: the policy's backbone plus a zero-initialised scalar head,
-with attention frozen; its loss and explained variance.
+with attention frozen; its loss, and the diagnostics that explain it: explained variance and
+value/return correlation, overall and by third of each response's action tokens.
 
 Attention is found by module type, not by parameter names: transformers names every attention
 block class `<Family>Attention` (LlamaAttention, Qwen3MoeAttention, MistralAttention, …), and
