@@ -41,6 +41,8 @@ class JudgeConfig:
     """Move to the next criterion every this many rewards (0: never)."""
     llm_url: str = ""
     """Completions server of the llm judge, e.g. http://127.0.0.1:8000 (`sao serve`)."""
+    serve_token: str = ""
+    """Bearer token of that server (its `--serve-token`; both read `SAO_SERVE_TOKEN`)."""
     max_rewards: int = 0
     """Stop after this many rewards (0: run until SIGTERM)."""
     log_every_s: float = 30.0
@@ -78,7 +80,7 @@ def completion_text(traj: Trajectory, tokenizer) -> tuple[str, str]:
 def run(cfg: JudgeConfig, stop: threading.Event | None = None, judge: Judge | None = None) -> None:
     stop = stop_on_signals(stop)
     tokenizer = load_tokenizer(cfg.model)
-    judge = judge or load_judge(cfg.judge, llm_url=cfg.llm_url, tokenizer=tokenizer)
+    judge = judge or load_judge(cfg.judge, llm_url=cfg.llm_url, tokenizer=tokenizer, token=cfg.serve_token)
     ensure_topics(cfg.kafka, (T.PENDING, T.REWARDS))
     schedule = Schedule(cfg.criteria, cfg.switch_every)
     control = CriterionFollower(cfg.kafka)

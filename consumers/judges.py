@@ -60,11 +60,11 @@ class LLMJudge:
     TEMPLATE = ("Rate from 0 to 10 how well the response follows this instruction: {criterion}\n\n"
                 "Prompt: {prompt}\nResponse: {completion}\n\nRating (a number from 0 to 10):")
 
-    def __init__(self, url: str, tokenizer=None, max_tokens: int = 4, timeout: float = 60.0):
+    def __init__(self, url: str, tokenizer=None, max_tokens: int = 4, timeout: float = 60.0, token: str = ""):
         self.url = url.rstrip("/") + "/v1/completions"
         self.tokenizer = tokenizer
         self.max_tokens = max_tokens
-        self.client = httpx.Client(timeout=timeout)
+        self.client = httpx.Client(timeout=timeout, headers={"Authorization": f"Bearer {token}"} if token else {})
 
     def __call__(self, prompt: str, completion: str, criterion: str) -> float:
         text = self.TEMPLATE.format(criterion=criterion, prompt=prompt, completion=completion)
@@ -80,15 +80,15 @@ class LLMJudge:
         return float(found.group()) / 10
 
 
-def load_judge(spec: str, *, llm_url: str = "", tokenizer=None) -> Judge:
-    """`style`, `llm` (needs `llm_url`) or `module:callable`."""
+def load_judge(spec: str, *, llm_url: str = "", tokenizer=None, token: str = "") -> Judge:
+    """`style`, `llm` (needs `llm_url`; `token`: its bearer token) or `module:callable`."""
     match spec:
         case "style":
             return style
         case "llm":
             if not llm_url:
                 raise ConfigError("--judge llm needs --llm-url (a completions server such as `sao serve`)")
-            return LLMJudge(llm_url, tokenizer)
+            return LLMJudge(llm_url, tokenizer, token=token)
     if ":" not in spec:
         raise ConfigError(f"--judge {spec!r}: expected style, llm or module:callable")
     return load_callable(spec, "--judge", ("prompt", "completion", "criterion"))

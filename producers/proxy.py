@@ -103,9 +103,9 @@ class Sessions:
     a background thread publishes those idle for `idle_s` as truncated."""
 
     def __init__(self, chat: Chat, publish: Callable[[Trajectory], str], *, context: int,
-                 idle_s: float = 600.0, producer_id: str = "serve"):
+                 idle_s: float = 600.0, producer_id: str = "serve", max_open: int = 1024):
         self.chat, self.publish, self.context = chat, publish, context
-        self.idle_s, self.producer_id = idle_s, producer_id
+        self.idle_s, self.producer_id, self.max_open = idle_s, producer_id, max_open
         self._open: dict[str, Session] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -128,6 +128,8 @@ class Sessions:
                 raise RequestError(f"session {receipt!r}: not open (closed, expired or never opened)", 404)
             if s is not None and s.busy:
                 raise RequestError(f"session {receipt!r}: a turn is already in flight", 409)
+            if receipt == "new" and len(self._open) >= self.max_open:  # memory is bounded, not only by idling
+                raise RequestError(f"{self.max_open} sessions are open (--max-sessions); close one or retry", 429)
             if s is None:
                 s = Session(id=f"proxy-{uuid.uuid4().hex}" if receipt else "", params=params, tools=tools)
             elif (params.temperature, params.top_p, params.top_k) != (s.params.temperature, s.params.top_p,

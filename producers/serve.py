@@ -77,6 +77,8 @@ class ServeConfig:
     """Most requests generating at once; past it the answer is 429 with Retry-After."""
     session_idle_s: float = 600.0
     """Seconds a rollout-proxy session may stay idle before it is published, truncated, to pending."""
+    max_sessions: int = 1024
+    """Most rollout-proxy sessions open at once; opening one more is answered 429."""
     producer_id: str = ""
     """`producer_id` of the proxy's trajectories ("" → serve-<hostname>)."""
     follow_weights: bool = True
@@ -87,8 +89,8 @@ class ServeConfig:
         check_model(self.model)
         if not self.serve_token and not is_loopback(self.host):
             raise ConfigError(f"--host {self.host} is beyond loopback: set --serve-token (SAO_SERVE_TOKEN)")
-        if self.max_concurrent < 1 or self.session_idle_s <= 0:
-            raise ConfigError("--max-concurrent must be >= 1 and --session-idle-s > 0")
+        if self.max_concurrent < 1 or self.max_sessions < 1 or self.session_idle_s <= 0:
+            raise ConfigError("--max-concurrent and --max-sessions must be >= 1, --session-idle-s > 0")
 
 
 def make_server(gen: HFGenerator, tokenizer, *, host: str = "127.0.0.1", port: int = 0,
@@ -278,7 +280,7 @@ def run(cfg: ServeConfig) -> None:
     chat = chat_template(tokenizer)
     sessions = None if chat is None else Sessions(
         chat, kafka_publisher(producer, cfg.kafka), context=gen.model.config.max_position_embeddings,
-        idle_s=cfg.session_idle_s, producer_id=cfg.producer_id or f"serve-{socket.gethostname()}")
+        idle_s=cfg.session_idle_s, max_open=cfg.max_sessions, producer_id=cfg.producer_id or f"serve-{socket.gethostname()}")
     server = make_server(gen, tokenizer, host=cfg.host, port=cfg.port, model_name=cfg.model,
                          max_tokens=cfg.max_tokens, token=cfg.serve_token, max_concurrent=cfg.max_concurrent,
                          sessions=sessions)

@@ -98,15 +98,19 @@ def test_sao_judge_follows_its_schedule_and_the_control_topic(kafka_cfg):
         judge.join(30)
 
 
-def test_the_llm_judge_speaks_the_protocol_of_sao_serve(kafka_cfg):
+def test_the_llm_judge_speaks_the_protocol_of_sao_serve_and_sends_its_token(kafka_cfg):
     port = free_port()
-    server = Service(kafka_cfg, "serve", "--model", "tiny-llama-bytes", "--port", str(port), "--no-follow-weights")
+    server = Service(kafka_cfg, "serve", "--model", "tiny-llama-bytes", "--port", str(port), "--no-follow-weights",
+                     "--serve-token", "s3cret")
     try:
         wait_until(lambda: _answers(f"http://127.0.0.1:{port}/health") or server.p.poll() is not None, timeout=120)
         assert server.p.poll() is None, server.log()
-        judge = load_judge("llm", llm_url=f"http://127.0.0.1:{port}", tokenizer=ByteTokenizer())
+        url = f"http://127.0.0.1:{port}"
+        judge = load_judge("llm", llm_url=url, tokenizer=ByteTokenizer(), token="s3cret")
         # a random tiny model rarely answers with a number: the point is that the request is served
         assert 0.0 <= judge("Write a haiku.", "old pond", "formal") <= 1.0
+        with pytest.raises(httpx.HTTPStatusError, match="401"):
+            load_judge("llm", llm_url=url, tokenizer=ByteTokenizer())("Write a haiku.", "old pond", "formal")
     finally:
         server.stop()
 

@@ -209,6 +209,10 @@ def test_a_history_that_is_not_the_sessions_is_refused_and_the_session_goes_on(p
     r = proxy.chat(messages=messages + [reply, {"role": "user", "content": "go on"}], max_tokens=8, session=receipt)
     assert r.status_code == 200 and r.headers["X-SAO-Session"] == receipt
     assert proxy.chat(messages=messages, max_tokens=8, session="proxy-nope").status_code == 404
+    proxy.sessions.max_open = 1  # this session holds the one place: opening another waits for it
+    r = proxy.chat(messages=messages, max_tokens=8, session="new")
+    assert r.status_code == 429 and "--max-sessions" in r.json()["error"]["message"]
+    assert proxy.chat(messages=messages, max_tokens=8).status_code == 200  # a turn outside sessions
 
 
 def test_prompts_beyond_the_context_window_get_400_before_any_work(proxy):
