@@ -287,6 +287,8 @@ class SAOUpdate:
         metrics = {k: step[k] for k in ("adv/mean", "adv/abs_mean")}
         if self.settings.advantage == "gae":
             metrics |= {"value/mean": step["value/mean"]} | value_diagnostics(step)
+        if self.running_mean is not None:  # every rank saw the whole step: no reduction
+            metrics["baseline/unseen"] = self.running_mean.unseen
         return metrics
 
     def _critic_steps(self, mbs: list[MicroBatch], plan: StepPlan) -> tuple[bool, dict[str, float]]:

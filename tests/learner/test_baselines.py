@@ -46,3 +46,15 @@ def test_running_mean_state_round_trip():
     other.load_state_dict(rm.state_dict())
     assert other.window == 3 and other.per_prompt
     assert other.advantage(torch.tensor([3.0]), ["a"]).tolist() == pytest.approx([1.5])
+
+
+def test_running_mean_per_prompt_on_prompts_that_never_repeat_reports_it_and_warns_once(caplog):
+    rm = RunningMean(window=8, per_prompt=True)
+    rm.advantage(torch.tensor([1.0]), ["seen"])
+    assert rm.advantage(torch.tensor([0.0, 1.0]), ["seen", "new"]).tolist() == [-1.0, 0.0]
+    assert rm.unseen == 0.5
+    with caplog.at_level("WARNING", logger="learner.baselines"):
+        for i in range(2 * RunningMean.WARN_AFTER):  # fresh ids every step: all advantages 0
+            assert rm.advantage(torch.tensor([1.0, 0.0]), [f"u{i}a", f"u{i}b"]).tolist() == [0.0, 0.0]
+    assert rm.unseen == 1.0
+    assert [r.message.count("running-mean-scope global") for r in caplog.records] == [1]
