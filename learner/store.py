@@ -96,8 +96,10 @@ class WeightStore:
     def describe(self, config, model: str) -> None:
         """Write what producers started with `--model learner` build before loading a version:
         `config.json` (the architecture) and `model.json` (the `--model.name` whose tokenizer
-        they load). Written at every start, so the store always describes the model it holds."""
-        atomic_file(self.root / "config.json", lambda tmp: tmp.write_text(config.to_json_string()))
+        they load). Written at every start, so the store always describes the model it holds. The
+        weights are plain float32/bf16 tensors, so a GGUF source's quantization_config is left out."""
+        fields = {k: v for k, v in json.loads(config.to_json_string()).items() if k != "quantization_config"}
+        atomic_file(self.root / "config.json", lambda tmp: tmp.write_text(json.dumps(fields, indent=2)))
         atomic_file(self.root / "model.json", lambda tmp: tmp.write_text(json.dumps({"name": model})))
 
     def _prune(self) -> None:
