@@ -30,7 +30,8 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.async_stability import ALGORITHMS, finite_mean  # noqa: E402
+from bench.async_stability import ALGORITHMS  # noqa: E402
+from bench.loop import finite_mean  # noqa: E402
 from bench.pretrain import pretrained_start  # noqa: E402
 from sao.broker import BrokerConfig, cluster  # noqa: E402
 from sao.report import load_steps  # noqa: E402

@@ -39,32 +39,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench.loop import LoopConfig  # noqa: E402
+from bench.loop import SMOOTH, LoopConfig, finite_mean, trailing_mean  # noqa: E402
 from bench.loop import run as train  # noqa: E402
 from bench.pretrain import pretrained_start  # noqa: E402
 from learner.update import UpdateConfig  # noqa: E402
 
 ALGORITHMS = ("sao", "grpo_dis", "grpo", "running_mean", "vapo")
 STALENESS = (0, 2, 4, 8)
-SMOOTH = 20
 RECORDED = {"reward": "reward/mean", "kept": "dis/kept_frac", "stale": "stale/versions",
             "ev": "value/explained_var", "entropy": "policy/entropy", "loss": "loss/policy",
             "skipped": "step/skipped"}
 Curves = dict[str, list[float]]  # one run: RECORDED's short names → per-step values
-
-
-def trailing_mean(x: list[float], window: int = SMOOTH) -> np.ndarray:
-    """Mean of the last `window` values (fewer at the start); entry i ends at step i."""
-    c = np.cumsum(np.insert(np.asarray(x, float), 0, 0.0))
-    i = np.arange(1, len(x) + 1)
-    return (c[i] - c[np.maximum(i - window, 0)]) / np.minimum(i, window)
-
-
-def finite_mean(xs: list[float]) -> float:
-    """Mean of the finite values; NaN if none (explained variance is undefined on a step whose
-    returns are all equal, and absent without a critic)."""
-    xs = [x for x in xs if x is not None and math.isfinite(x)]
-    return statistics.fmean(xs) if xs else math.nan
 
 
 def collapse_step(reward: list[float], loss: list[float], skipped: list[float],

@@ -37,14 +37,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench.loop import LoopConfig, run  # noqa: E402
+from bench.loop import SMOOTH, LoopConfig, finite_mean, run, trailing_mean  # noqa: E402
 from bench.pretrain import CACHE, PretrainConfig, pretrained_start, value_ceiling  # noqa: E402
 from learner.update import UpdateConfig  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODELS = {"llama": "dense", "qwen3_moe": "MoE", "smollm2": "SmolLM2"}
 POSITIONS = ("first", "middle", "last")
-SMOOTH = 20
 WARMUP = UpdateConfig().warmup_steps
 
 
@@ -96,8 +95,7 @@ def one_run(v: Variant, start: Path, seed: int, args: argparse.Namespace) -> lis
 
 def window_mean(history: list[dict[str, float]], key: str, lo: int, hi: int | None = None) -> float:
     """Mean of a metric over steps [lo, hi), ignoring the steps where it is undefined (NaN)."""
-    xs = [h[key] for h in history[lo:hi] if key in h and math.isfinite(h[key])]
-    return statistics.fmean(xs) if xs else math.nan
+    return finite_mean([h.get(key) for h in history[lo:hi]])
 
 
 def _cell(xs: list[float], digits: int = 2) -> str:
@@ -147,11 +145,7 @@ def phases_table(runs: dict[Variant, list[list[dict]]]) -> str:
 
 def smooth(history: list[dict], key: str) -> np.ndarray:
     """SMOOTH-step trailing mean of a metric, NaN steps skipped (entry i ends at step i + SMOOTH − 1)."""
-    y = np.array([h.get(key, math.nan) for h in history], dtype=float)
-    ok = np.isfinite(y)
-    kernel = np.ones(min(SMOOTH, len(y)))
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.convolve(np.where(ok, y, 0), kernel, "valid") / np.convolve(ok, kernel, "valid")
+    return trailing_mean([h.get(key, math.nan) for h in history])[min(SMOOTH, len(history)) - 1:]
 
 
 def plot(runs: dict[Variant, list[list[dict]]], path: Path, ceiling: dict[str, float]) -> None:

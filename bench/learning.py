@@ -28,13 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench.loop import TASKS, LoopConfig  # noqa: E402
+from bench.loop import SMOOTH, TASKS, LoopConfig, trailing_mean  # noqa: E402
 from bench.loop import run as train  # noqa: E402
 from learner.update import UpdateConfig  # noqa: E402
 
 ALGORITHMS = ("sao", "grpo_dis", "running_mean", "grpo")
 GROUP = 8  # rollouts per prompt of the GRPO variants
-SMOOTH = 20
 
 
 def run(env_name: str, algorithm: str, seed: int, args: argparse.Namespace) -> list[float]:
@@ -47,13 +46,13 @@ def run(env_name: str, algorithm: str, seed: int, args: argparse.Namespace) -> l
     return [m["reward/mean"] for m in train(cfg)]
 
 
-def trailing_mean(curve: list[float]) -> np.ndarray:
+def full_windows(curve: list[float]) -> np.ndarray:
     """Mean of the last SMOOTH steps; entry i ends at step i + SMOOTH."""
-    return np.convolve(curve, np.ones(SMOOTH) / SMOOTH, mode="valid")
+    return trailing_mean(curve)[SMOOTH - 1:]
 
 
 def steps_to(curve: list[float], target: float) -> int | None:
-    hit = np.flatnonzero(trailing_mean(curve) >= target)
+    hit = np.flatnonzero(full_windows(curve) >= target)
     return int(hit[0]) + SMOOTH if hit.size else None
 
 
@@ -81,7 +80,7 @@ def plot(curves: dict[tuple[str, str], list[list[float]]], path: Path) -> None:
     fig, axes = plt.subplots(1, len(TASKS), figsize=(6 * len(TASKS), 4), squeeze=False)
     for ax, env_name in zip(axes[0], TASKS):
         for a in ALGORITHMS:
-            runs = np.array([trailing_mean(c) for c in curves[env_name, a]])
+            runs = np.array([full_windows(c) for c in curves[env_name, a]])
             x = np.arange(runs.shape[1]) + SMOOTH
             ax.plot(x, runs.mean(0), label=a)
             ax.fill_between(x, runs.min(0), runs.max(0), alpha=0.2)

@@ -17,8 +17,10 @@ No broker, no processes: one run is one function call returning one dict of metr
 
 from __future__ import annotations
 
+import math
 import os
 import random
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -42,6 +44,27 @@ from producers.generate.hf import HFGenerator  # noqa: E402
 from schemas.messages import Trajectory  # noqa: E402
 
 TASKS = {"toy-target": 8, "toy-multiturn": 4}  # env → action tokens per turn
+SMOOTH = 20  # steps of the benchmarks' trailing means
+
+
+def finite_mean(xs: list[float]) -> float:
+    """Mean of the finite values; NaN if none (explained variance is undefined on a step whose
+    returns are all equal, and absent without a critic)."""
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    return statistics.fmean(xs) if xs else math.nan
+
+
+def trailing_mean(values, window: int = SMOOTH) -> np.ndarray:
+    """Mean of the finite values among the last `window` (fewer at the start); entry i ends at
+    step i, so `[window - 1:]` holds only full windows. NaN where a window has no finite value."""
+    y = np.asarray(values, float)
+    ok = np.isfinite(y)
+    total = np.cumsum(np.insert(np.where(ok, y, 0.0), 0, 0.0))
+    count = np.cumsum(np.insert(ok, 0, False))
+    end = np.arange(1, len(y) + 1)
+    start = np.maximum(end - window, 0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return (total[end] - total[start]) / (count[end] - count[start])
 
 
 @dataclass(kw_only=True)
