@@ -81,20 +81,26 @@ def _mismatch(w: Weights, e: ArchitectureMismatch) -> ConfigError:
                        f"than this producer's model: {e}")
 
 
+def weights_reader(kafka: KafkaConfig):
+    """A consumer of `sao.weights` (one partition) from its beginning, in no group of its own
+    that others share: every reader sees every announcement."""
+    consumer = make_consumer(kafka, f"sao-weights-{uuid.uuid4().hex}")
+    consumer.assign([TopicPartition(kafka.topic(T.WEIGHTS), 0, OFFSET_BEGINNING)])
+    return consumer
+
+
 def learner_store(kafka: KafkaConfig, stop: threading.Event, poll_s: float = 0.5) -> Path | None:
     """The learner's weight store folder, found through its first announcement on `sao.weights`
     (waiting for one: a producer may start before the learner); None once `stop` is set. The
     folder holds the `config.json` and `model.json` the learner writes at start (learner/store.py)."""
-    consumer = make_consumer(kafka, f"sao-weights-{uuid.uuid4().hex}")
+    consumer, next_log = weights_reader(kafka), time.monotonic()
     try:
-        consumer.assign([TopicPartition(kafka.topic(T.WEIGHTS), 0, OFFSET_BEGINNING)])
-        waited = 0.0
         while not stop.is_set():
             msg = consumer.poll(poll_s)
             if msg is None or consumer_error(msg):
-                waited += poll_s
-                if waited % 30 < poll_s:
+                if time.monotonic() >= next_log:
                     log.info("--model learner: waiting for the learner's first weights on %s", T.WEIGHTS)
+                    next_log += 30
                 continue
             try:
                 folder = local_path(Weights.decode(msg.value() or b"").uri).parent
@@ -195,11 +201,9 @@ class WeightSubscriber:
                 break
 
     def _run(self) -> None:
-        consumer = make_consumer(self.kafka, f"sao-weights-{uuid.uuid4().hex}")
-        tp = TopicPartition(self.kafka.topic(T.WEIGHTS), 0, OFFSET_BEGINNING)
+        consumer = weights_reader(self.kafka)
         try:
-            consumer.assign([tp])
-            self._catch_up(consumer, tp)
+            self._catch_up(consumer, consumer.assignment()[0])
             self.caught_up.set()
             while not self._stop.is_set():
                 if (w := self._decode(consumer.poll(self.poll_s))) is not None:
