@@ -160,12 +160,19 @@ class FeedMark(Backlog):
     def __init__(self, kafka: KafkaConfig, feed_id: str):
         super().__init__(kafka, f"sao-feed.{feed_id}")
         self.feed_id = feed_id
+        self.saved: int | None = None
+        # a restart's samples published past its saved position are not behind it until it passes them
+        self.behind = 0
 
     def save(self, position: int) -> None:
-        """Mark every acknowledged prompt as behind us: `position` is the next group to publish."""
+        """Mark every acknowledged prompt as behind us: `position` is the next group to publish.
+        A position already saved, or short of samples a restart found published, is not saved."""
+        if position == self.saved or position < self.behind:
+            return
         meta = json.dumps({"position": position})
         offsets = [TopicPartition(self.topic, p, high, metadata=meta) for p, (_, high) in self.watermarks().items()]
         retrying(lambda: self.consumer.commit(offsets=offsets, asynchronous=False))
+        self.saved = position
 
     def load(self) -> tuple[int, set[tuple[int, int]]]:
         """The saved position, and the (position, sample) pairs at or past it already published."""
@@ -173,7 +180,9 @@ class FeedMark(Backlog):
         if not committed:
             return 0, set()
         position = json.loads(committed[0].metadata)["position"]
-        return position, {(g, s) for g, s in self._published_since(committed) if g >= position}
+        published = {(g, s) for g, s in self._published_since(committed) if g >= position}
+        self.behind = max((g for g, _ in published), default=-1) + 1
+        return position, published
 
     def _published_since(self, starts: list[TopicPartition]) -> Iterator[tuple[int, int]]:
         """(position, sample) of this feed's prompts from each committed offset to the end."""
@@ -231,11 +240,9 @@ def run(cfg: FeedConfig, stop: threading.Event | None = None) -> int:
     source, producer, backlog = groups(cfg, errors, start, published), make_producer(cfg.kafka), Backlog(cfg.kafka, cfg.group)
     topic, sent, exhausted, failed = cfg.kafka.topic(T.PROMPTS), 0, False, []
     position = start  # the next group to publish, once everything sent is acknowledged
-    # a restart's samples published past its saved position are not behind it until it passes them
-    behind = max((g for g, _ in published), default=-1) + 1
 
     def save() -> None:
-        if mark is not None and position >= behind:
+        if mark is not None:
             mark.save(position)
 
     def headers(g: int, prompt: Prompt) -> list[tuple[str, bytes]] | None:
@@ -247,13 +254,10 @@ def run(cfg: FeedConfig, stop: threading.Event | None = None) -> int:
 
     try:
         save()  # a fresh feed's start too, so that a restart reads only what follows
-        saved = position
         while not stop.is_set() and not exhausted:
             producer.flush(30)  # the watermarks must include what we sent
             delivered()
-            if position != saved:
-                save()
-                saved = position
+            save()
             room = (cfg.max_unfinished - backlog.count()) // cfg.group_size  # whole groups only
             if cfg.count:
                 room = min(room, (cfg.count - sent) // cfg.group_size)
