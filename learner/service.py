@@ -57,8 +57,9 @@ class LearnerConfig:
     """Publish the policy every this many versions."""
     keep_weights: int = 3
     """Weight files kept in the store."""
-    checkpoint_every: int = 1
-    """Checkpoint every this many steps (offsets are committed to Kafka only then)."""
+    checkpoint_every: int = 10
+    """Checkpoint every this many steps (offsets are committed to Kafka only then, so a crash
+    replays at most this many steps; the weight versions published meanwhile are never reused)."""
     max_steps: int = 0
     """Stop after this many steps in total (0: run until SIGTERM)."""
     prefetch: int = 512
@@ -155,6 +156,20 @@ class Learner:
         self.load_state_dict(Checkpointer.load(path, template))
         return True
 
+    def continue_versions(self) -> None:
+        """Never give two policies one version number. Versions published after the restored
+        checkpoint (it is written every `checkpoint_every` steps, and asynchronously) belong to
+        steps that are now replayed; producers already hold them and ignore repeats, so the
+        restored policy takes the next number past the store's newest. A collective."""
+        newest = self.store.newest() if self.rank == 0 else -1
+        version = torch.tensor([newest + 1 if newest > self.version else self.version],
+                               dtype=torch.int64, device=self.device)
+        torch.distributed.broadcast(version, 0)
+        if version.item() != self.version:
+            log.info("the weight store holds versions past %d (published after this state); "
+                     "this policy is version %d", self.version, version.item())
+            self.version = int(version.item())
+
     def checkpoint(self) -> None:
         """Every rank writes its shards; offsets go to Kafka only once the checkpoint is durable."""
         self.ckpt.save(self.update.step_count, self.state_dict(),
@@ -222,11 +237,12 @@ def run(cfg: LearnerConfig) -> None:
             ensure_topics(cfg.kafka)  # idempotent; a fresh cluster works without a setup step
         if learner.restore():
             log.info("resumed at step %d, version %d", learner.update.step_count, learner.version)
+        learner.continue_versions()
         if learner.rank == 0:  # producers on `--model learner` build the architecture from it
             learner.store.describe(learner.model_config, cfg.model.name)
         if learner.rank == 0 and learner.critic is not None:  # SAO.md §5: what the critic trains
             log.info("critic parameters:\n%s", format_report(param_report(learner.critic)))
-        learner.publish()  # version 0, or the restored version again: producers ignore repeats
+        learner.publish()  # version 0, or the restored version again (the same weights): producers ignore repeats
         if learner.source:
             learner.source.start()
         while not cfg.max_steps or learner.update.step_count < cfg.max_steps:

@@ -93,6 +93,11 @@ class WeightStore:
         return Weights(version=version, step=step, uri=path.resolve().as_uri(),
                        sha256=sha256, num_bytes=num_bytes, dtype=",".join(dtypes))
 
+    def newest(self) -> int:
+        """The highest version in the store, -1 if it holds none."""
+        found = _numbered(self.root, r"v(\d+)\.safetensors")
+        return found[-1][0] if found else -1
+
     def describe(self, config, model: str) -> None:
         """Write what producers started with `--model learner` build before loading a version:
         `config.json` (the architecture) and `model.json` (the `--model.name` whose tokenizer

@@ -84,6 +84,15 @@ def announcements(cfg: KafkaConfig, timeout: float = 30) -> list[Weights]:
     return got
 
 
+def assert_one_policy_per_version(ws: list[Weights]) -> None:
+    """Announced versions never go backwards, and a number repeated names the same bytes."""
+    assert [w.version for w in ws] == sorted(w.version for w in ws)
+    by_version = {}
+    for w in ws:
+        by_version.setdefault(w.version, set()).add(w.sha256)
+    assert all(len(s) == 1 for s in by_version.values()), by_version
+
+
 def load_weights(w: Weights) -> dict[str, torch.Tensor]:
     import hashlib
     from urllib.parse import urlparse

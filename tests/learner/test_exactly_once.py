@@ -13,7 +13,8 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from schemas import topics as T
 from schemas.kafka import KafkaConfig, ensure_topics, make_producer, produce
-from tests.learner.service_util import announcements, learner_cmd, rollouts, run_learner, sigkill_mid_run, trained_ledger
+from tests.learner.service_util import (announcements, assert_one_policy_per_version, learner_cmd, rollouts,
+                                        run_learner, sigkill_mid_run, trained_ledger)
 
 
 def test_sigkill_three_times_with_three_partitions_and_two_producers_trains_each_once(kafka_bootstrap, tmp_path):
@@ -33,7 +34,7 @@ def test_sigkill_three_times_with_three_partitions_and_two_producers_trains_each
     threads = [threading.Thread(target=producer, args=(trajs[i::2],)) for i in range(2)]
     for th in threads:
         th.start()
-    flags = ("--batch-trajectories", "8", "--max-steps", "37", "--max-staleness", "-1")
+    flags = ("--batch-trajectories", "8", "--max-steps", "37", "--max-staleness", "-1", "--checkpoint-every", "3")
     sigkill_mid_run(learner_cmd(cfg, tmp_path, *flags), tmp_path, random.Random(5))
     for th in threads:
         th.join(60)
@@ -42,6 +43,6 @@ def test_sigkill_three_times_with_three_partitions_and_two_producers_trains_each
     trained = trained_ledger(tmp_path)
     assert set(trained) == {t.id for t in trajs}
     assert sorted(collections.Counter(trained.values()).items()) == [(s, 8) for s in range(37)]
-    versions = [w.version for w in announcements(cfg)]
-    assert sorted(set(versions)) == list(range(38))  # every version published; restarts repeat one
+    # a replayed step may re-form with other members: its policy takes a new version number
+    assert_one_policy_per_version(announcements(cfg))
     admin.delete_topics([cfg.topic(t) for t in T.ALL], operation_timeout=30)

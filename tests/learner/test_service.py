@@ -17,9 +17,9 @@ from learner.models import tiny_llama
 from schemas import topics as T
 from schemas.kafka import make_consumer
 from schemas.messages import DeadLetter, Weights
-from tests.learner.service_util import (ROOT, announcements, assert_close_state, final_policy,
-                                        latest_checkpoint, learner_cmd, load_weights, metrics, publish,
-                                        rollouts, run_learner, sigkill_mid_run, trained_ledger)
+from tests.learner.service_util import (ROOT, announcements, assert_close_state, assert_one_policy_per_version,
+                                        final_policy, latest_checkpoint, learner_cmd, load_weights, metrics,
+                                        publish, rollouts, run_learner, sigkill_mid_run, trained_ledger)
 
 
 def test_learner_trains_on_fresh_rollouts_and_publishes_loadable_versions(kafka_cfg, tmp_path):
@@ -78,7 +78,7 @@ def test_sigkill_three_times_trains_every_trajectory_exactly_once(kafka_bootstra
     from schemas.kafka import KafkaConfig, ensure_topics
     trajs = rollouts(300, seed=11)
     payloads = [t.encode() for t in trajs]
-    flags = ("--batch-trajectories", "8", "--max-steps", "37", "--max-staleness", "-1")
+    flags = ("--batch-trajectories", "8", "--max-steps", "37", "--max-staleness", "-1", "--checkpoint-every", "2")
     runs = {}
     for name in ("clean", "killed"):
         cfg = KafkaConfig(bootstrap=kafka_bootstrap, topic_prefix=f"{kafka_cfg.topic_prefix}{name}")
@@ -104,13 +104,12 @@ def test_sigkill_three_times_trains_every_trajectory_exactly_once(kafka_bootstra
     assert all(trained[i] == m["step/index"] for m in records for i in m["trajectory_ids"])
     assert len({m["step/index"] for m in records}) >= 37 - kills
 
-    # published versions: the same versions with the same bytes as the uninterrupted run
-    sha = {name: {} for name in runs}
-    for name, (c, _) in runs.items():
-        for w in announcements(c):  # a restart announces its restored version again
-            sha[name].setdefault(w.version, set()).add(w.sha256)
-    assert sorted(sha["killed"]) == list(range(38))
-    assert sha["killed"] == sha["clean"] and all(len(s) == 1 for s in sha["clean"].values())
+    # published weights: each step's policy with the same bytes as in the uninterrupted run, and
+    # no version number naming two policies (steps replayed after a crash are numbered anew)
+    published = {name: announcements(c) for name, (c, _) in runs.items()}
+    assert [w.version for w in published["clean"]] == list(range(38))
+    assert {(w.step, w.sha256) for w in published["killed"]} == {(w.step, w.sha256) for w in published["clean"]}
+    assert_one_policy_per_version(published["killed"])
     assert_close_state(final_policy(run_dir), final_policy(runs["clean"][1]), rtol=0)
 
 
@@ -119,7 +118,7 @@ def test_killed_on_two_ranks_resumes_on_one_and_trains_every_trajectory_once(kaf
     its sharded checkpoint: each trajectory in exactly one step, four to a step."""
     trajs = rollouts(48, seed=13)
     publish(kafka_cfg, [t.encode() for t in trajs])
-    flags = ("--batch-trajectories", "4", "--max-steps", "12", "--max-staleness", "-1")
+    flags = ("--batch-trajectories", "4", "--max-steps", "12", "--max-staleness", "-1", "--checkpoint-every", "2")
     proc = subprocess.Popen(learner_cmd(kafka_cfg, tmp_path, *flags, nproc=2), cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -135,6 +134,35 @@ def test_killed_on_two_ranks_resumes_on_one_and_trains_every_trajectory_once(kaf
     assert set(trained) == {t.id for t in trajs}
     assert sorted(collections.Counter(trained.values()).items()) == [(s, 4) for s in range(12)]
     assert all(trained[i] == m["step/index"] for m in metrics(tmp_path) for i in m["trajectory_ids"])
+
+
+def test_versions_published_after_the_last_checkpoint_are_never_reused(kafka_cfg, tmp_path):
+    """Checkpoints every 5 steps; SIGKILL a few steps in, before the first: the restart replays
+    those steps from the start, and its policies take numbers past every version announced."""
+    trajs = rollouts(48, seed=5)
+    publish(kafka_cfg, [t.encode() for t in trajs])
+    flags = ("--batch-trajectories", "4", "--max-steps", "12", "--max-staleness", "-1", "--checkpoint-every", "5")
+    proc = subprocess.Popen(learner_cmd(kafka_cfg, tmp_path, *flags), cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 120
+    while len(metrics(tmp_path)) < 2 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
+    assert not (tmp_path / "learner" / "checkpoints").exists() or not list(
+        (tmp_path / "learner" / "checkpoints").glob("step*"))  # killed before the first checkpoint
+    before = announcements(kafka_cfg)
+    assert [w.version for w in before] == list(range(len(before))) and len(before) >= 3
+    run_learner(learner_cmd(kafka_cfg, tmp_path, *flags))  # to the end
+
+    after = announcements(kafka_cfg)[len(before):]
+    assert after[0].version == before[-1].version + 1 and after[0].step == 0  # the restored (initial) policy
+    assert [w.version for w in after] == list(range(after[0].version, after[0].version + 13))
+    assert [w.step for w in after] == list(range(13))
+    assert after[0].sha256 == before[0].sha256  # the same policy as version 0, under a new number
+    assert_one_policy_per_version(before + after)
+    trained = trained_ledger(tmp_path)
+    assert sorted(collections.Counter(trained.values()).items()) == [(s, 4) for s in range(12)]
 
 
 def _raw(traj) -> dict:
