@@ -3,7 +3,9 @@
 - 2 ranks × 1 thread against 1 rank × 1 thread: the split's efficiency (target >= 1.6x on 2 free
   cores; on GPUs the same code scales with devices);
 - 2 ranks × 1 thread against 1 rank × 2 threads: splitting costs nothing (target >= 0.9x);
-- micro-batched against one-shot, 1 rank × 1 thread (target >= 0.95x).
+- micro-batched against one-shot, 1 rank × 1 thread (target >= 0.95x);
+- 2 ranks gathering parameters and reducing gradients once per step (the CPU default) against
+  once per micro-batch (the CUDA default, which holds only one block's full parameters at a time).
 
 Each configuration runs in fresh processes through the learner's own path (meta-device build,
 FSDP2, `SAOUpdate.step` on every rank's token-balanced share) on the same synthetic steps of
@@ -34,13 +36,15 @@ from learner.parallel import ParallelConfig, init_distributed  # noqa: E402
 from learner.update import SAOUpdate, UpdateConfig  # noqa: E402
 
 
-def _worker(rank: int, world: int, port: int, threads: int, args, budget: int, out: str) -> None:
+def _worker(rank: int, world: int, port: int, threads: int, args, budget: int, gather_once: bool | None,
+            out: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads)
     _, _, device = init_distributed("cpu")
     model = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers)
-    update = SAOUpdate(*build_models(build_policy(model) if rank == 0 else None, True, ParallelConfig(), device),
+    update = SAOUpdate(*build_models(build_policy(model) if rank == 0 else None, True,
+                                     ParallelConfig(gather_once=gather_once), device),
                        UpdateConfig(warmup_steps=0, micro_batch_tokens=budget))
     trajs = synthetic(args.batch * (args.steps + 1), args.length, args.vocab, spread=0.5)
     times = []
@@ -56,10 +60,10 @@ def _worker(rank: int, world: int, port: int, threads: int, args, budget: int, o
     dist.destroy_process_group()
 
 
-def tokens_per_s(world: int, threads: int, args, budget: int) -> float:
+def tokens_per_s(world: int, threads: int, args, budget: int, gather_once: bool | None = None) -> float:
     from sao.broker import free_port
     with tempfile.NamedTemporaryFile() as f:
-        mp.spawn(_worker, args=(world, free_port(), threads, args, budget, f.name), nprocs=world)
+        mp.spawn(_worker, args=(world, free_port(), threads, args, budget, gather_once, f.name), nprocs=world)
         return float(Path(f.name).read_text())
 
 
@@ -78,6 +82,7 @@ def main() -> None:
     two = tokens_per_s(2, 1, args, b)
     one_two_threads = tokens_per_s(1, 2, args, b)
     one_shot = tokens_per_s(1, 1, args, 0)
+    two_resharded = tokens_per_s(2, 1, args, b, gather_once=False)
     print(f"learner_scaling: tiny-llama h{args.hidden} L{args.layers} V{args.vocab}, SAO steps of {args.batch} "
           f"trajectories of {args.length // 2}-{args.length} tokens, micro-batches <= {b} tokens, "
           f"{args.steps} timed steps  [{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
@@ -89,6 +94,7 @@ def main() -> None:
     print(f"{'  2 ranks x 1 thread / 1 rank x 2 threads':<46}{'':>10}{two / one_two_threads:>8.2f}   target >= 0.9")
     print(f"{'1 rank x 1 thread, one-shot (no micro-batches)':<46}{one_shot:>10.0f}{one_shot / one:>8.2f}")
     print(f"{'  micro-batched / one-shot':<46}{'':>10}{one / one_shot:>8.2f}   target >= 0.95")
+    print(f"{'2 ranks x 1 thread, resharded per micro-batch':<46}{two_resharded:>10.0f}{two_resharded / one:>8.2f}")
 
 
 if __name__ == "__main__":

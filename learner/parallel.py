@@ -32,6 +32,10 @@ class ParallelConfig:
     FSDP2; None: on for cuda, off for cpu."""
     activation_checkpointing: bool = False
     """Recompute each decoder block's activations in backward (GPUs, long sequences)."""
+    gather_once: bool | None = None
+    """Keep parameters gathered and gradients unreduced across an optimizer step's micro-batches:
+    one all-gather and one reduce-scatter per step instead of two and one per micro-batch, holding
+    the full parameters and gradients meanwhile; None: on for cpu (gloo), off for cuda."""
 
 
 def init_distributed(device: str) -> tuple[int, int, torch.device]:
@@ -85,7 +89,36 @@ def parallelize(model: nn.Module, cfg: ParallelConfig) -> nn.Module:
     for unit in units:
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
+    model.gather_once = cfg.device == "cpu" if cfg.gather_once is None else cfg.gather_once  # read by accumulate
     return model
+
+
+def accumulate(model: nn.Module, micro_batches: list) -> Iterator:
+    """Yield one optimizer step's micro-batches, around which the caller runs forward and backward.
+
+    With `gather_once` (see ParallelConfig), the blocks stay gathered after each forward and
+    backward and gradients accumulate unreduced on every rank, until the last micro-batch's
+    backward reduce-scatters them once and reshards; the summed gradient is the same. Every rank
+    has the same number of micro-batches (learner/update.py pads the shorter shares), so all
+    agree on which is last."""
+    if not getattr(model, "gather_once", False):
+        yield from micro_batches
+        return
+    blocks = decoder_blocks(model)
+    try:
+        for i, mb in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            for block in blocks:
+                block.set_reshard_after_forward(False, recurse=False)
+            model.set_requires_gradient_sync(last)
+            model.set_reshard_after_backward(last)
+            yield mb
+    finally:  # back to per-forward resharding; frees what a step without backward left gathered
+        for block in blocks:
+            block.set_reshard_after_forward(True, recurse=False)
+            block.reshard()
+        model.set_requires_gradient_sync(True)
+        model.set_reshard_after_backward(True)
 
 
 def materialise(model: nn.Module, state: dict[str, torch.Tensor] | None, device: torch.device) -> None:

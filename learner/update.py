@@ -41,6 +41,7 @@ from learner.dis import (PRESETS, LossAgg, aggregate, dis_policy_loss, k3_kl, pp
 from learner.gae import adaptive_lambda, skip_observation_gae, whiten
 from learner.logprobs import Batch, collate, token_logprobs, token_rewards
 from learner.microbatch import StepPlan, StepStats, plan_step
+from learner.parallel import accumulate
 from learner.value import (ValueModel, critic_values, freeze_attention, value_diagnostics, value_loss,
                            value_moments_by_position)
 from schemas.messages import Trajectory
@@ -296,12 +297,12 @@ class SAOUpdate:
         applied, grad_norm, stats = 0, math.nan, StepStats()
         for _ in range(K):
             stats = StepStats()
-            for mb in mbs:
+            for mb in accumulate(self.critic, mbs):
                 values = critic_values(self.critic, mb.batch, packed=cfg.packed)
                 loss = value_loss(values, mb.returns, mb.batch.action_mask, values_old=mb.values,
                                   clip=cfg.value_clip, loss_agg=cfg.loss_agg,
                                   num_tokens=plan.num_tokens, num_seqs=plan.num_seqs)
-                loss.backward()  # accumulates; FSDP2 reduce-scatters each micro-batch's share
+                loss.backward()  # accumulates; reduce-scattered per micro-batch or once (accumulate)
                 stats.add({"loss/value": loss})
             stepped, grad_norm = guarded_step(self.critic, self.critic_opt, cfg.critic_clip,
                                               stats.sums["loss/value"])
@@ -316,7 +317,7 @@ class SAOUpdate:
         cfg, stats = self.cfg, StepStats()
         eps_low, eps_high = cfg.eps
         counts = dict(num_tokens=plan.num_tokens, num_seqs=plan.num_seqs)
-        for mb in mbs:
+        for mb in accumulate(self.policy, mbs):
             b, mask = mb.batch, mb.batch.action_mask
             with torch.set_grad_enabled(update):
                 logp, entropy = token_logprobs(self.policy, b, temperature=cfg.temperature,

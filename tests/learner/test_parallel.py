@@ -28,7 +28,8 @@ def _rollouts():
     return rollouts(12, seed=5)
 
 
-def _worker(rank: int, world: int, port: int, out: str, steps: tuple[int, int], resume: str) -> None:
+def _worker(rank: int, world: int, port: int, out: str, steps: tuple[int, int], resume: str,
+            gather_once: bool | None) -> None:
     """Train steps [first, last) of 4 trajectories each, optionally from a checkpoint, then save
     the full policy (rank 0), this rank's token counter, and a checkpoint."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
@@ -38,7 +39,7 @@ def _worker(rank: int, world: int, port: int, out: str, steps: tuple[int, int], 
     cfg = UpdateConfig(algorithm="sao", warmup_steps=0, lr_policy=1e-3, lr_critic=1e-3,
                        micro_batch_tokens=32)
     source = build_policy(ModelConfig()) if rank == 0 else None
-    policy, critic = build_models(source, cfg.settings.uses_critic, ParallelConfig(), device)
+    policy, critic = build_models(source, cfg.settings.uses_critic, ParallelConfig(gather_once=gather_once), device)
     update = SAOUpdate(policy, critic, cfg)
     ckpt = Checkpointer(Path(out) / "checkpoints")
     if resume:
@@ -56,10 +57,10 @@ def _worker(rank: int, world: int, port: int, out: str, steps: tuple[int, int], 
     dist.destroy_process_group()
 
 
-def train(out: Path, world: int, steps=(0, 3), resume: Path | None = None):
+def train(out: Path, world: int, steps=(0, 3), resume: Path | None = None, gather_once: bool | None = None):
     """SAO steps of 4 trajectories, micro-batches of at most 32 tokens, on `world` gloo ranks."""
     out.mkdir(parents=True, exist_ok=True)
-    mp.spawn(_worker, args=(world, free_port(), str(out), steps, str(resume or "")),
+    mp.spawn(_worker, args=(world, free_port(), str(out), steps, str(resume or ""), gather_once),
              nprocs=world, join=True)
     tokens = [json.loads((out / f"rank{r}.json").read_text())["tokens"] for r in range(world)]
     return torch.load(out / "policy.pt", weights_only=True), tokens
@@ -85,9 +86,12 @@ def test_token_balanced_shares_and_budgeted_micro_batches():
     assert micro_batches(lengths, range(6), 0, packed=False) == [[0, 5, 2, 3, 1, 4]]
 
 
-def test_two_ranks_with_the_step_split_equal_one_rank_with_the_whole_step(tmp_path):
-    one, (tokens1,) = train(tmp_path / "1", 1)
-    two, tokens2 = train(tmp_path / "2", 2)
+@pytest.mark.parametrize("gather_once", [True, False], ids=["gathered-per-step", "resharded-per-micro-batch"])
+def test_two_ranks_with_the_step_split_equal_one_rank_with_the_whole_step(tmp_path, gather_once):
+    """Both ways of accumulating over micro-batches: the CPU default (parameters gathered and
+    gradients reduced once per step) and the CUDA default (per micro-batch)."""
+    one, (tokens1,) = train(tmp_path / "1", 1, gather_once=not gather_once)
+    two, tokens2 = train(tmp_path / "2", 2, gather_once=gather_once)
     assert_same(two, one, 1e-5)
     assert sum(tokens2) == tokens1
     assert all(abs(t - tokens1 / 2) <= 0.15 * tokens1 for t in tokens2), tokens2  # about half each
