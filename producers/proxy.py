@@ -20,19 +20,27 @@ A session ends when the agent closes it (with a reward: onto `sao.trajectories`;
 `sao.trajectories.pending`, where a reward posted later by receipt is joined by `sao reward-join`),
 or when it has been idle for `idle_s`, then published to pending with finish_reason `truncated`.
 The receipt is the trajectory id. A turn in flight keeps its session from closing or expiring.
+
+With a journal folder, each session's state is written there after every turn (a whole file
+replaced at once) and removed once the session is published, so a proxy restarted after a crash
+or a SIGKILL takes its open sessions up where their last turn left them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
+import os
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import msgpack
 import numpy as np
 
 from producers.api import RequestError, check_context
@@ -87,6 +95,18 @@ class Session:
         self.rollout_logprobs += [0.0] * n if logprobs is None else [float(x) for x in logprobs]
         self.versions += [-1] * n if versions is None else [int(v) for v in versions]
 
+    def record(self) -> dict:
+        """The session as plain data, for the journal; `from_record` reverses it."""
+        kept = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("opened", "used", "busy")}
+        return kept | {"params": dataclasses.asdict(self.params), "age_s": time.monotonic() - self.opened}
+
+    @classmethod
+    def from_record(cls, record: dict) -> Session:
+        params = record.pop("params")
+        age_s = record.pop("age_s")
+        return cls(**record, params=SamplingParams(**params | {"stop_token_ids": tuple(params["stop_token_ids"])}),
+                   opened=time.monotonic() - age_s)
+
     def trajectory(self, *, reward: float | None, finish_reason: str, producer_id: str, closed: str) -> Trajectory:
         return Trajectory(id=self.id, prompt_id=self.prompt_id, env="proxy", producer_id=producer_id,
                           tokens=np.array(self.tokens, np.int32), action_mask=np.array(self.action_mask, np.uint8),
@@ -100,13 +120,16 @@ class Session:
 
 class Sessions:
     """Open sessions by receipt id, behind one lock (the server runs each request in its own thread);
-    a background thread publishes those idle for `idle_s` as truncated."""
+    a background thread publishes those idle for `idle_s` as truncated. `journal`: a folder where
+    open sessions survive the process (see the module docstring); those found there are open."""
 
     def __init__(self, chat: Chat, publish: Callable[[Trajectory], str], *, context: int,
-                 idle_s: float = 600.0, producer_id: str = "serve", max_open: int = 1024):
+                 idle_s: float = 600.0, producer_id: str = "serve", max_open: int = 1024,
+                 journal: Path | None = None):
         self.chat, self.publish, self.context = chat, publish, context
         self.idle_s, self.producer_id, self.max_open = idle_s, producer_id, max_open
-        self._open: dict[str, Session] = {}
+        self.journal = journal
+        self._open: dict[str, Session] = self._take_up() if journal is not None else {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name="session-reaper", daemon=True)
@@ -177,6 +200,7 @@ class Sessions:
             s.num_turns += 1
             s.finish_reason = out.finish_reason
             s.generate_s += out.timing.get("generate_s", 0.0)
+            self._write(s)
         self.release(s)
 
     def release(self, s: Session) -> None:
@@ -204,11 +228,44 @@ class Sessions:
 
     def _publish(self, s: Session, traj: Trajectory) -> str:
         try:
-            return self.publish(traj)
+            topic = self.publish(traj)
         except Exception as e:  # the broker did not take it: keep the session, the agent may retry
             with self._lock:
                 self._open[s.id] = s
             raise RequestError(f"session {s.id!r}: not published ({e}); still open", 503) from e
+        if self.journal is not None:
+            (self.journal / f"{s.id}.msgpack").unlink(missing_ok=True)
+        return topic
+
+    def _write(self, s: Session) -> None:
+        """Journal `s` after a turn. One turn of a session runs at a time, so its temporary file
+        is its own; the rename replaces the last turn's file whole."""
+        if self.journal is None:
+            return
+        path = self.journal / f"{s.id}.msgpack"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(msgpack.packb(s.record(), use_bin_type=True))
+        os.replace(tmp, path)
+
+    def _take_up(self) -> dict[str, Session]:
+        """The sessions journaled by an earlier run of this proxy; a file that does not read as one
+        is renamed `*.unreadable` and reported, never deleted."""
+        self.journal.mkdir(parents=True, exist_ok=True)
+        found = {}
+        for path in sorted(self.journal.glob("*.msgpack")):
+            try:
+                s = Session.from_record(msgpack.unpackb(path.read_bytes(), raw=False))
+            except Exception as e:
+                log.warning("journal %s is not a session (%s: %s); set aside as .unreadable",
+                            path, type(e).__name__, e)
+                path.rename(path.with_suffix(".unreadable"))
+                continue
+            found[s.id] = s
+        for tmp in self.journal.glob("*.tmp"):  # a write cut short; its session's last turn stands
+            tmp.unlink()
+        if found:
+            log.info("took up %d open sessions from %s", len(found), self.journal)
+        return found
 
     def expire(self, idle_s: float | None = None) -> list[Trajectory]:
         """Publish the sessions idle for `idle_s` (default: the configured time) to pending, as truncated."""

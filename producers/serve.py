@@ -35,6 +35,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 from producers.api import (RequestError, assistant_reply, chat_chunk, chat_logprobs, chat_response,
                            check_context, completion_response, finish_reason, parse_chat, parse_request, streamable,
@@ -79,6 +80,10 @@ class ServeConfig:
     """Seconds a rollout-proxy session may stay idle before it is published, truncated, to pending."""
     max_sessions: int = 1024
     """Most rollout-proxy sessions open at once; opening one more is answered 429."""
+    sessions_dir: str = ""
+    """Folder where open rollout-proxy sessions are written after each turn, so a restarted
+    `sao serve` (SIGKILL included) takes them up; one folder per server. "": in memory only
+    (published truncated on SIGTERM, lost on SIGKILL)."""
     producer_id: str = ""
     """`producer_id` of the proxy's trajectories ("" → serve-<hostname>)."""
     follow_weights: bool = True
@@ -280,7 +285,8 @@ def run(cfg: ServeConfig) -> None:
     chat = chat_template(tokenizer)
     sessions = None if chat is None else Sessions(
         chat, kafka_publisher(producer, cfg.kafka), context=gen.model.config.max_position_embeddings,
-        idle_s=cfg.session_idle_s, max_open=cfg.max_sessions, producer_id=cfg.producer_id or f"serve-{socket.gethostname()}")
+        idle_s=cfg.session_idle_s, max_open=cfg.max_sessions, producer_id=cfg.producer_id or f"serve-{socket.gethostname()}",
+        journal=Path(cfg.sessions_dir) if cfg.sessions_dir else None)
     server = make_server(gen, tokenizer, host=cfg.host, port=cfg.port, model_name=cfg.model,
                          max_tokens=cfg.max_tokens, token=cfg.serve_token, max_concurrent=cfg.max_concurrent,
                          sessions=sessions)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -29,6 +31,7 @@ from producers.models import TINY_LLAMA_BYTES, load_model
 from producers.api import parse_tool_calls, streamable
 from producers.proxy import Sessions, kafka_publisher
 from producers.serve import ServeConfig, make_server
+from sao.broker import free_port
 from schemas import topics as T
 from schemas.config import ConfigError
 from schemas.kafka import make_producer
@@ -195,6 +198,66 @@ def test_an_idle_session_is_published_to_pending_as_truncated(taught, kafka_cfg)
         assert r.status_code == 404  # published once, not twice
     finally:
         proxy.close()
+
+
+def test_a_sigkilled_proxy_takes_its_open_sessions_up_from_its_journal(kafka_cfg, tmp_path):
+    """`sao serve --sessions-dir`: a session opened before a SIGKILL goes on after the restart,
+    and its trajectory holds both turns' sampled ids; a journal file that is not a session is set
+    aside, and the server starts all the same."""
+    port, journal, log = free_port(), tmp_path / "sessions", tmp_path / "serve.log"
+    journal.mkdir()
+    (journal / "proxy-garbage.msgpack").write_bytes(b"\xc1 not a session")
+    env = {**os.environ, "SAO_KAFKA_BOOTSTRAP": kafka_cfg.bootstrap, "SAO_KAFKA_TOPIC_PREFIX": kafka_cfg.topic_prefix,
+           "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    url = f"http://127.0.0.1:{port}"
+
+    def serve() -> subprocess.Popen:
+        with open(log, "a") as out:
+            p = subprocess.Popen([sys.executable, "-m", "sao", "serve", "--model", "tiny-llama-bytes", "--port",
+                                  str(port), "--sessions-dir", str(journal)], cwd=REPO, env=env, stdout=out,
+                                 stderr=subprocess.STDOUT)
+        wait_until(lambda: _healthy(url) or p.poll() is not None, timeout=120)
+        assert p.poll() is None, log.read_text()[-3000:]
+        return p
+
+    def turn(messages, session):
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+            "messages": messages, "max_tokens": 8, "temperature": 1.0, "seed": 3, "session": session})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    first = serve()
+    try:
+        messages = [{"role": "user", "content": "hi"}]
+        one = turn(messages, "new")
+        receipt = one["session"]
+        assert (journal / f"{receipt}.msgpack").exists()
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    second = serve()
+    try:
+        assert "took up 1 open sessions" in log.read_text()
+        assert (journal / "proxy-garbage.unreadable").exists()
+        messages += [one["choices"][0]["message"], {"role": "user", "content": "and again"}]
+        two = turn(messages, receipt)
+        r = httpx.post(f"{url}/v1/sessions/{receipt}/close", json={"reward": 1.0}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert not (journal / f"{receipt}.msgpack").exists()  # published: no longer open
+    finally:
+        second.send_signal(signal.SIGTERM)
+        second.wait(60)
+    traj = _read(kafka_cfg, T.TRAJECTORIES, receipt)
+    sampled = one["choices"][0]["token_ids"] + two["choices"][0]["token_ids"]
+    assert traj.num_turns == 2 and traj.reward == 1.0
+    assert traj.tokens[traj.action_mask == 1].tolist() == sampled
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def test_a_history_that_is_not_the_sessions_is_refused_and_the_session_goes_on(proxy):
