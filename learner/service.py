@@ -124,6 +124,7 @@ class Learner:
         self.ckpt = Checkpointer(cfg.run_dir / "checkpoints", cfg.checkpoint_every)
         self.store = WeightStore(cfg.weights_dir, cfg.keep_weights)
         self.version = 0
+        self.restarts: list[tuple[int, int]] = []  # (restored version, its new number): see continue_versions
         self.failures = StepFailures(cfg.run_dir / "step_failures.json", cfg.max_step_failures)
         self.source = TrajectorySource(
             cfg.kafka, cfg.trainable(self.model_config), prefetch=cfg.prefetch,
@@ -135,13 +136,15 @@ class Learner:
         """Everything a restart needs: `SAOUpdate`'s state (sharded), the weight version and RNG,
         and on rank 0 the source's offsets and ledger. A collective: every rank calls it."""
         state = self.update.state_dict(optimizers=optimizers) | {
-            "version": self.version, "rng": torch.get_rng_state().numpy().tobytes()}
+            "version": self.version, "restarts": [list(x) for x in self.restarts],
+            "rng": torch.get_rng_state().numpy().tobytes()}
         if self.source is not None:
             state["source"] = self.source.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
         self.version = state["version"]
+        self.restarts = [tuple(x) for x in state.get("restarts", [])]  # absent from older checkpoints
         torch.set_rng_state(torch.frombuffer(bytearray(state["rng"]), dtype=torch.uint8))
         self.update.load_state_dict(state)
         if self.source is not None:
@@ -160,7 +163,8 @@ class Learner:
         """Never give two policies one version number. Versions published after the restored
         checkpoint (it is written every `checkpoint_every` steps, and asynchronously) belong to
         steps that are now replayed; producers already hold them and ignore repeats, so the
-        restored policy takes the next number past the store's newest. A collective."""
+        restored policy takes the next number past the store's newest, and staleness skips the
+        numbers in between (`source.staleness`). A collective."""
         newest = self.store.newest() if self.rank == 0 else -1
         version = torch.tensor([newest + 1 if newest > self.version else self.version],
                                dtype=torch.int64, device=self.device)
@@ -168,6 +172,7 @@ class Learner:
         if version.item() != self.version:
             log.info("the weight store holds versions past %d (published after this state); "
                      "this policy is version %d", self.version, version.item())
+            self.restarts = [*self.restarts[-15:], (self.version, int(version.item()))]  # older: long stale
             self.version = int(version.item())
 
     def checkpoint(self) -> None:
@@ -200,12 +205,13 @@ class Learner:
             step = self.source.next_step(
                 step_index=self.update.step_count, version=self.version,
                 max_staleness=self.cfg.max_staleness, batch_trajectories=self.cfg.batch_trajectories,
-                batch_tokens=self.cfg.batch_tokens, stop=stop, poisoned=self.failures.poisoned)
+                batch_tokens=self.cfg.batch_tokens, stop=stop, poisoned=self.failures.poisoned,
+                restarts=self.restarts)
         payloads = broadcast_bytes(step.payloads if step else None, self.device)
         if payloads is None:
             return None
         trajs = step.trajectories if step else [Trajectory.decode(p) for p in payloads]
-        return FormedStep(trajectories=trajs, staleness=[staleness(self.version, t) for t in trajs])
+        return FormedStep(trajectories=trajs, staleness=[staleness(self.version, t, self.restarts) for t in trajs])
 
     def train_step(self, trajs: list[Trajectory]) -> dict:
         t0 = time.perf_counter()

@@ -24,7 +24,7 @@ import collections
 import logging
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from confluent_kafka import OFFSET_INVALID, KafkaException, TopicPartition
@@ -70,9 +70,22 @@ class Step:
         return [e.traj.id for e in self.entries]
 
 
-def staleness(learner_version: int, traj: Trajectory) -> int:
-    """learner_version − min(versions over action tokens) (SAO.md §6)."""
-    return learner_version - max(traj.min_version, 0)
+def staleness(learner_version: int, traj: Trajectory, restarts: Sequence[tuple[int, int]] = ()) -> int:
+    """Policy updates between the trajectory's oldest action-token version and the learner's:
+    learner_version − min(versions over action tokens) (SAO.md §6), along the learner's line.
+
+    `restarts`: (c, r) pairs, oldest first. A restart restored the policy of version c and
+    published it as version r, past the numbers c+1 … r−1 that the steps it replays had published
+    (learner/service.py `continue_versions`). Those numbers are not updates of the learner's line,
+    and a trajectory sampled on them is as stale as its distance through c."""
+    def depth(version: int) -> int:  # updates along the learner's line up to `version`
+        return version - sum(r - c for c, r in restarts if r <= version)
+
+    v = max(traj.min_version, 0)
+    for c, r in restarts:
+        if c < v < r:  # sampled on a branch the restart undid
+            return depth(learner_version) - depth(c) + (v - c)
+    return depth(learner_version) - depth(v)
 
 
 class TrajectorySource:
@@ -175,12 +188,13 @@ class TrajectorySource:
     # ------------------------------------------------------------------ step formation
     def next_step(self, *, step_index: int, version: int, max_staleness: int, batch_trajectories: int,
                   batch_tokens: int, stop: threading.Event,
-                  poisoned: Callable[[list[str]], str | None] = lambda ids: None) -> Step | None:
+                  poisoned: Callable[[list[str]], str | None] = lambda ids: None,
+                  restarts: Sequence[tuple[int, int]] = ()) -> Step | None:
         """Block until a step is full; None if `stop` is set first (a partial step is discarded
         and its trajectories are consumed again after a restart). A step that `poisoned` names an
         error for is dead-lettered whole and the next one is formed in its place."""
         while (step := self._form(step_index, version, max_staleness, batch_trajectories, batch_tokens,
-                                  stop)) is not None:
+                                  stop, restarts)) is not None:
             if (error := poisoned(step.ids)) is None:
                 return step
             for e in step.entries:
@@ -192,14 +206,14 @@ class TrajectorySource:
         return None
 
     def _form(self, step_index: int, version: int, max_staleness: int, batch_trajectories: int,
-              batch_tokens: int, stop: threading.Event) -> Step | None:
+              batch_tokens: int, stop: threading.Event, restarts: Sequence[tuple[int, int]]) -> Step | None:
         step = Step()
         snapshot = (dict(self.positions), collections.Counter(self.counts),
                     {g: list(m) for g, m in self.held.items()}, dict(self.held_since))
 
         def take(entries: list[Entry]) -> None:
             for e in entries:
-                lag = staleness(version, e.traj)
+                lag = staleness(version, e.traj, restarts)
                 if max_staleness >= 0 and lag > max_staleness:
                     self.counts["stale"] += 1
                     continue

@@ -11,7 +11,7 @@ import pytest
 
 from learner.checks import Trainable, untrainable
 from learner.failures import StepFailures
-from learner.source import TrajectorySource
+from learner.source import TrajectorySource, staleness
 from schemas import topics as T
 from schemas.kafka import KafkaConfig, make_consumer, make_producer
 from schemas.messages import DeadLetter, Trajectory
@@ -61,6 +61,21 @@ def test_log_prob_rounding_above_zero_is_tolerated():
 def _fail(failures: StepFailures, ids: list[str]) -> None:
     with pytest.raises(RuntimeError), failures.guard(ids):
         raise RuntimeError("device error")
+
+
+def test_staleness_counts_updates_along_the_learners_line_not_version_numbers():
+    def at(v: int) -> Trajectory:
+        return traj(versions=np.array([-1, -1, v, v + 1, -1, v], np.int32))  # oldest action token: v
+
+    assert staleness(8, at(3)) == 5
+    # a restart restored version 3 and published it as 6: 4 and 5 were steps it replayed
+    restarts = [(3, 6)]
+    assert [staleness(8, at(v), restarts) for v in (3, 6, 7, 8)] == [2, 2, 1, 0]
+    assert staleness(8, at(4), restarts) == 3  # 1 update on the undone branch, 2 on the line
+    assert staleness(8, at(1), restarts) == 4
+    # a second restart from version 7, published as 10 (8 and 9 undone); 3 and 6 are one policy
+    restarts = [(3, 6), (7, 10)]
+    assert [staleness(11, at(v), restarts) for v in (11, 10, 7, 6, 3, 8)] == [0, 1, 1, 2, 2, 2]
 
 
 def test_a_step_failing_on_consecutive_starts_is_poisoned_with_its_error(tmp_path):

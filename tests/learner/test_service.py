@@ -161,6 +161,10 @@ def test_versions_published_after_the_last_checkpoint_are_never_reused(kafka_cfg
     assert [w.step for w in after] == list(range(13))
     assert after[0].sha256 == before[0].sha256  # the same policy as version 0, under a new number
     assert_one_policy_per_version(before + after)
+    # all rollouts are version 0's: step k is k updates stale, as in a run never killed (the
+    # skipped numbers are not updates)
+    replayed = metrics(tmp_path)[-12:]
+    assert [(m["step/index"], m["stale/max"]) for m in replayed] == [(k, k) for k in range(12)]
     trained = trained_ledger(tmp_path)
     assert sorted(collections.Counter(trained.values()).items()) == [(s, 4) for s in range(12)]
 
