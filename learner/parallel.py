@@ -105,11 +105,11 @@ def accumulate(model: nn.Module, micro_batches: list) -> Iterator:
         yield from micro_batches
         return
     blocks = decoder_blocks(model)
+    for block in blocks:
+        block.set_reshard_after_forward(False, recurse=False)
     try:
         for i, mb in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
-            for block in blocks:
-                block.set_reshard_after_forward(False, recurse=False)
             model.set_requires_gradient_sync(last)
             model.set_reshard_after_backward(last)
             yield mb

@@ -203,15 +203,18 @@ class Learner:
         step = None
         if self.rank == 0:
             step = self.source.next_step(
-                step_index=self.update.step_count, version=self.version,
+                step_index=self.update.step_count, lag=self.staleness,
                 max_staleness=self.cfg.max_staleness, batch_trajectories=self.cfg.batch_trajectories,
-                batch_tokens=self.cfg.batch_tokens, stop=stop, poisoned=self.failures.poisoned,
-                restarts=self.restarts)
+                batch_tokens=self.cfg.batch_tokens, stop=stop, poisoned=self.failures.poisoned)
         payloads = broadcast_bytes(step.payloads if step else None, self.device)
         if payloads is None:
             return None
         trajs = step.trajectories if step else [Trajectory.decode(p) for p in payloads]
-        return FormedStep(trajectories=trajs, staleness=[staleness(self.version, t, self.restarts) for t in trajs])
+        return FormedStep(trajectories=trajs, staleness=[self.staleness(t) for t in trajs])
+
+    def staleness(self, traj: Trajectory) -> int:
+        """Policy updates since `traj` was sampled, along this learner's line (SAO.md §6)."""
+        return staleness(self.version, traj, self.restarts)
 
     def train_step(self, trajs: list[Trajectory]) -> dict:
         t0 = time.perf_counter()

@@ -186,15 +186,15 @@ class TrajectorySource:
         return traj
 
     # ------------------------------------------------------------------ step formation
-    def next_step(self, *, step_index: int, version: int, max_staleness: int, batch_trajectories: int,
-                  batch_tokens: int, stop: threading.Event,
-                  poisoned: Callable[[list[str]], str | None] = lambda ids: None,
-                  restarts: Sequence[tuple[int, int]] = ()) -> Step | None:
+    def next_step(self, *, step_index: int, lag: Callable[[Trajectory], int], max_staleness: int,
+                  batch_trajectories: int, batch_tokens: int, stop: threading.Event,
+                  poisoned: Callable[[list[str]], str | None] = lambda ids: None) -> Step | None:
         """Block until a step is full; None if `stop` is set first (a partial step is discarded
-        and its trajectories are consumed again after a restart). A step that `poisoned` names an
-        error for is dead-lettered whole and the next one is formed in its place."""
-        while (step := self._form(step_index, version, max_staleness, batch_trajectories, batch_tokens,
-                                  stop, restarts)) is not None:
+        and its trajectories are consumed again after a restart). `lag`: a trajectory's staleness
+        against the learner's version at this step's formation (`staleness`). A step that
+        `poisoned` names an error for is dead-lettered whole and the next one is formed in its place."""
+        while (step := self._form(step_index, lag, max_staleness, batch_trajectories, batch_tokens,
+                                  stop)) is not None:
             if (error := poisoned(step.ids)) is None:
                 return step
             for e in step.entries:
@@ -205,20 +205,20 @@ class TrajectorySource:
             self.counts["dead_step"] += 1
         return None
 
-    def _form(self, step_index: int, version: int, max_staleness: int, batch_trajectories: int,
-              batch_tokens: int, stop: threading.Event, restarts: Sequence[tuple[int, int]]) -> Step | None:
+    def _form(self, step_index: int, lag: Callable[[Trajectory], int], max_staleness: int,
+              batch_trajectories: int, batch_tokens: int, stop: threading.Event) -> Step | None:
         step = Step()
         snapshot = (dict(self.positions), collections.Counter(self.counts),
                     {g: list(m) for g, m in self.held.items()}, dict(self.held_since))
 
         def take(entries: list[Entry]) -> None:
             for e in entries:
-                lag = staleness(version, e.traj, restarts)
-                if max_staleness >= 0 and lag > max_staleness:
+                stale = lag(e.traj)
+                if max_staleness >= 0 and stale > max_staleness:
                     self.counts["stale"] += 1
                     continue
                 step.entries.append(e)
-                step.staleness.append(lag)
+                step.staleness.append(stale)
                 step.num_tokens += e.traj.num_tokens
 
         for group in [g for g, since in self.held_since.items() if step_index - since >= self.group_wait_steps]:

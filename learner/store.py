@@ -95,7 +95,7 @@ class WeightStore:
 
     def newest(self) -> int:
         """The highest version in the store, -1 if it holds none."""
-        found = _numbered(self.root, r"v(\d+)\.safetensors")
+        found = self._versions()
         return found[-1][0] if found else -1
 
     def describe(self, config, model: str) -> None:
@@ -107,8 +107,11 @@ class WeightStore:
         atomic_file(self.root / "config.json", lambda tmp: tmp.write_text(json.dumps(fields, indent=2)))
         atomic_file(self.root / "model.json", lambda tmp: tmp.write_text(json.dumps({"name": model})))
 
+    def _versions(self) -> list[tuple[int, Path]]:
+        return _numbered(self.root, r"v(\d+)\.safetensors")
+
     def _prune(self) -> None:
-        for _, path in _numbered(self.root, r"v(\d+)\.safetensors")[:-self.keep]:
+        for _, path in self._versions()[:-self.keep]:
             path.unlink(missing_ok=True)
 
 
