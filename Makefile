@@ -7,6 +7,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.sao-installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
+# torch's CUDA wheels are ~3 GB: kept once in the venv (and once in the image wheelhouse), not a third
+# time in pip's cache (a CI run once ran out of disk installing them)
+export PIP_NO_CACHE_DIR := 1
 
 .PHONY: install run run-tiny test bench broker clean readme image
 
