@@ -20,7 +20,7 @@ from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, LlamaConf
 
 from learner.parallel import ParallelConfig, broadcast_bytes, materialise, parallelize
 from learner.value import ValueModel
-from schemas.models import check_model, smollm2_gguf
+from schemas.models import BYTES_MAX_POSITIONS, check_model, smollm2_gguf
 from schemas.tokenizers import ByteTokenizer
 
 
@@ -113,7 +113,7 @@ def build_policy(cfg: ModelConfig) -> torch.nn.Module:
         case "tiny-llama":
             return tiny_llama(**dims)
         case "tiny-llama-bytes":  # the producers' text-env tiny model: byte vocabulary, long context
-            return tiny_llama(**dims | {"vocab_size": ByteTokenizer.vocab_size}, max_positions=4096)
+            return tiny_llama(**dims | {"vocab_size": ByteTokenizer.vocab_size}, max_positions=BYTES_MAX_POSITIONS)
         case "tiny-qwen3-moe":
             return tiny_qwen3_moe(**dims)
     path = smollm2_gguf() if cfg.name == "smollm2" else Path(cfg.name)

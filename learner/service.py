@@ -209,7 +209,9 @@ class Learner:
         payloads = broadcast_bytes(step.payloads if step else None, self.device)
         if payloads is None:
             return None
-        trajs = step.trajectories if step else [Trajectory.decode(p) for p in payloads]
+        if step:  # rank 0 measured staleness while forming the step; the others measure it alike
+            return FormedStep(trajectories=step.trajectories, staleness=step.staleness)
+        trajs = [Trajectory.decode(p) for p in payloads]
         return FormedStep(trajectories=trajs, staleness=[self.staleness(t) for t in trajs])
 
     def staleness(self, traj: Trajectory) -> int:

@@ -23,13 +23,13 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from schemas.models import SMOLLM2_GGUF, smollm2_gguf
+from schemas.models import BYTES_MAX_POSITIONS, SMOLLM2_GGUF, smollm2_gguf
 from schemas.tokenizers import ByteTokenizer
 
 TINY_LLAMA = {"vocab_size": 64, "hidden_size": 32, "num_layers": 2, "num_heads": 4,
               "num_kv_heads": 2, "max_positions": 256}
 """The learner's `tiny_llama` defaults."""
-TINY_LLAMA_BYTES = {**TINY_LLAMA, "vocab_size": ByteTokenizer.vocab_size, "max_positions": 4096}
+TINY_LLAMA_BYTES = {**TINY_LLAMA, "vocab_size": ByteTokenizer.vocab_size, "max_positions": BYTES_MAX_POSITIONS}
 
 
 def tiny_llama(*, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int,

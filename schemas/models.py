@@ -20,6 +20,8 @@ BUILTIN_MODELS = ("tiny-llama", "tiny-llama-bytes", "tiny-qwen3-moe", "smollm2")
 FROM_LEARNER = "learner"
 """For generating services: build the learner's published architecture and load its weights."""
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BYTES_MAX_POSITIONS = 4096
+"""`tiny-llama-bytes`' context window, learner and producers alike: a byte per token runs long."""
 
 
 def smollm2_gguf() -> Path:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import time
 import uuid
 
+from confluent_kafka import TopicPartition
+
+from consumers.joiner import Backfill, Input
 from consumers.rewards import RewardPublisher
 from schemas import topics as T
-from schemas.kafka import KafkaConfig, make_consumer
+from schemas.kafka import KafkaConfig, make_consumer, make_producer
 from schemas.messages import Reward
 from tests.consumers.util import joiner, pending_trajectory, publish, read_ids, wait_until
 
@@ -86,3 +90,45 @@ def test_a_joiner_added_and_another_killed_mid_stream_lose_nothing(kafka_cfg):
     finally:
         for p in procs:
             p.p.kill()
+
+
+def test_backfill_reads_back_exactly_the_offsets_an_agent_did_not_handle(kafka_cfg):
+    """The joiner's guard against faust passing over a message (`consumers.joiner.Backfill`): per
+    partition, from the group's committed offset (or the start) on, every offset an agent was not
+    shown or did not finish handling is read back with its key, value and timestamp, and nothing
+    else is."""
+    topic, group = kafka_cfg.topic(T.REWARDS), f"bf-{uuid.uuid4().hex[:8]}"
+    producer = make_producer(kafka_cfg)
+    for i in range(12):
+        producer.produce(topic, value=f"v{i}".encode(), key=f"k{i}".encode(), partition=1, timestamp=1_000_000 + i)
+    assert producer.flush(30) == 0
+
+    async def seen(backfill: Backfill, offset: int, handle: bool = True) -> list[int]:
+        """What the agent is given back when faust hands it `offset` (which it then handles)."""
+        missed = await backfill.passed_over(topic, 1, offset)
+        assert all(m.key == f"k{m.offset}".encode() and m.value == f"v{m.offset}".encode()
+                   and m.timestamp == (1_000_000 + m.offset) / 1000 and m.partition == 1 for m in missed)
+        for m in missed:
+            backfill.handled(m)
+        if handle:
+            backfill.handled(Input(topic=topic, partition=1, offset=offset, timestamp=0, key=None, value=None))
+        return [m.offset for m in missed]
+
+    async def scenario() -> None:
+        backfill = Backfill(kafka_cfg, group)
+        assert await seen(backfill, 0) == []  # no committed offset: the agent starts at the start
+        assert await seen(backfill, 1) == []
+        assert await seen(backfill, 4) == [2, 3]  # a gap in the middle
+        assert await seen(backfill, 5, handle=False) == []  # its handling raised ...
+        assert await seen(backfill, 6) == [5]  # ... so the next event brings it back
+        assert await seen(backfill, 2) == []  # faust handing over an offset again: nothing to add
+        assert await seen(backfill, 7) == []
+        assert await backfill.passed_over(topic, 0, 0) == []  # partitions are independent
+        committer = make_consumer(kafka_cfg, group)
+        committer.commit(offsets=[TopicPartition(topic, 1, 8)], asynchronous=False)
+        committer.close()
+        backfill.forget([TopicPartition(topic, 1)])  # revoked and assigned again: from the committed offset
+        assert await seen(backfill, 10) == [8, 9]  # the gap at the head, after the committed offset
+        assert await seen(backfill, 11) == []
+
+    asyncio.run(scenario())
