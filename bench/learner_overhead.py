@@ -7,8 +7,9 @@ trajectories and the same `SAOUpdate` steps (also under FSDP2, world size 1), no
 Both are timed from the end of their first step to the end of their last (the first step pays
 one-off warm-up), and both with the embedded broker running on the same cores (on 2 cores an idle
 Kafka costs the training thread several percent; the bare loop is also timed without it).
-Target: ratio >= 0.95 once a step takes longer than ~1 s. The service runs twice: with its
-default checkpoint interval and checkpointing after every step.
+Target: ratio >= 0.95 once a step takes longer than ~1 s. The service runs three times: with its
+default checkpoint interval, checkpointing after every step, and with neither checkpoints nor
+weight publication in the timed window (what Kafka consumption and step formation alone cost).
 """
 
 from __future__ import annotations
@@ -95,9 +96,13 @@ def main() -> None:
     # embedded broker still runs (idle) on the same cores, as it did for the service, and alone.
     flags = args.service_flags.split()
     with EmbeddedBroker(BrokerConfig(port=0)) as broker:
+        never = str(10 * args.steps)
         runs = {"sao learner (Kafka, FSDP2)": service(broker.bootstrap, trajs, model, args.batch, flags),
                 "  the same, checkpoint every step": service(broker.bootstrap, trajs, model, args.batch,
-                                                            [*flags, "--checkpoint-every", "1"])}
+                                                            [*flags, "--checkpoint-every", "1"]),
+                "  the same, no checkpoint, no publication": service(
+                    broker.bootstrap, trajs, model, args.batch,
+                    [*flags, "--checkpoint-every", never, "--publish-every", never])}
         bare = rate(bare_loop(trajs, model, UpdateConfig(warmup_steps=0), args.batch))
     alone = rate(bare_loop(trajs, model, UpdateConfig(warmup_steps=0), args.batch))
     print(f"learner_overhead: tiny-llama h{args.hidden} L{args.layers} V{args.vocab}, {args.steps} steps "
