@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Awaitable, Callable, Literal
 
 import faust
-from confluent_kafka import KafkaError, KafkaException, TopicPartition
+from confluent_kafka import KafkaException, TopicPartition
 
 from consumers import join
 from consumers.metrics import JoinerMetrics
@@ -35,6 +35,7 @@ from schemas import topics as T
 from schemas.config import ConfigError
 from schemas.kafka import KafkaConfig, consumer_error, ensure_topics, make_consumer
 from schemas.messages import DeadLetter, Reward, SchemaError, Trajectory, decode
+from schemas.retry import retrying
 
 log = logging.getLogger(__name__)
 
@@ -235,11 +236,6 @@ class Changelog(T.Topic):
         return self.suffix
 
 
-# a group's coordinator that is still loading or has just moved: librdkafka does not flag these retriable
-_COORDINATOR_MOVING = {KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
-                       KafkaError.COORDINATOR_NOT_AVAILABLE}
-
-
 @dataclass(frozen=True, kw_only=True)
 class Input:
     """An input message as the agents handle it, whether faust handed it over or `Backfill` read it."""
@@ -292,21 +288,19 @@ class Backfill:
             self.expected.pop((tp.topic, tp.partition), None)
 
     def _committed(self, topic: str, partition: int) -> int:
-        deadline = time.monotonic() + self.timeout
-        while True:
-            try:
-                [tp] = self.consumer.committed([TopicPartition(topic, partition)], timeout=self.timeout)
-                if tp.error is not None:
-                    raise KafkaException(tp.error)
-                break
-            except KafkaException as e:
-                if e.args[0].code() not in _COORDINATOR_MOVING and not e.args[0].retriable() \
-                        or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
-        if tp.offset >= 0:
-            return tp.offset
-        return self.consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=self.timeout)[0]
+        tp = TopicPartition(topic, partition)
+
+        def committed() -> int:
+            [found] = self.consumer.committed([tp], timeout=self.timeout)
+            if found.error is not None:
+                raise KafkaException(found.error)
+            return found.offset
+
+        offset = retrying(committed, self.timeout)
+        if offset >= 0:
+            return offset
+        low, _ = retrying(lambda: self.consumer.get_watermark_offsets(tp, timeout=self.timeout), self.timeout)
+        return low  # nothing committed yet: faust starts at the earliest offset
 
     def _read(self, topic: str, partition: int, start: int, end: int) -> list[Input]:
         self.consumer.assign([TopicPartition(topic, partition, start)])

@@ -44,7 +44,7 @@ from confluent_kafka import TopicPartition
 
 from producers.datasets import dataset_prompts, load_rows
 from producers.envs import env_factory, make_env
-from producers.retry import retrying
+from schemas.retry import retrying
 from schemas import topics as T
 from schemas.config import ConfigError
 from schemas.kafka import FatalKafkaError, KafkaConfig, ensure_topics, make_consumer, make_producer, produce

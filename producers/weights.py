@@ -28,7 +28,7 @@ from urllib.parse import unquote, urlparse
 from confluent_kafka import OFFSET_BEGINNING, TopicPartition
 
 from producers.generate.base import ArchitectureMismatch, Generator
-from producers.retry import retrying
+from schemas.retry import retrying
 from schemas import topics as T
 from schemas.config import ConfigError
 from schemas.kafka import KafkaConfig, consumer_error, make_consumer
