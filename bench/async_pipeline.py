@@ -77,7 +77,7 @@ def main() -> None:
               f"warm-up 10  [{platform.machine()}, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}]")
     print(f"async pipeline: {config}", flush=True)
     rows = {}
-    with cluster(KafkaConfig(), BrokerConfig(port=0)) as kafka:
+    with cluster(KafkaConfig(bootstrap=os.environ.get("SAO_KAFKA_BOOTSTRAP", "")), BrokerConfig(port=0)) as kafka:
         for algorithm in args.algorithms:
             run_dir = args.run_dir / algorithm
             shutil.rmtree(run_dir, ignore_errors=True)  # the learner would resume an old checkpoint

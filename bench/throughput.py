@@ -43,6 +43,7 @@ import numpy as np  # noqa: E402
 from confluent_kafka import KafkaException  # noqa: E402
 from confluent_kafka.admin import AdminClient  # noqa: E402
 
+from learner.source import group_id  # noqa: E402
 from producers.generate.sim import SimConfig, output_length  # noqa: E402
 from sao.broker import BrokerConfig, EmbeddedBroker  # noqa: E402
 from schemas import topics as T  # noqa: E402
@@ -122,7 +123,7 @@ def run_mode(mode: str, broker: str, args, work: Path) -> dict:
                            "--sim.token-s", str(args.token_s)))
     feed = Feed(kafka)
     try:
-        wait_for_groups(kafka, {"sao-producers": args.producers, "sao-learner": 1})
+        wait_for_groups(kafka, {"sao-producers": args.producers, group_id(kafka): 1})
         while len(steps := steps_done(run_dir)) < args.steps:
             if procs[0].poll() is not None:
                 raise SystemExit(f"learner exited {procs[0].returncode}; see {work}/{mode}-learner.log")

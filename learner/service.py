@@ -177,8 +177,10 @@ class Learner:
 
     def checkpoint(self) -> None:
         """Every rank writes its shards; offsets go to Kafka only once the checkpoint is durable."""
-        self.ckpt.save(self.update.step_count, self.state_dict(),
-                       then=self.source.commit if self.source else lambda: None)
+        state = self.state_dict()
+        saved = state["source"]["positions"] if self.source else {}
+        self.ckpt.save(self.update.step_count, state,
+                       then=(lambda: self.source.commit(saved)) if self.source else lambda: None)
 
     # ------------------------------------------------------------------ weights
     def publish(self) -> float:
@@ -246,16 +248,17 @@ def run(cfg: LearnerConfig) -> None:
     try:
         if learner.rank == 0:
             ensure_topics(cfg.kafka)  # idempotent; a fresh cluster works without a setup step
+            learner.source.claim()  # before anything shared is touched: one learner per run
         if learner.restore():
             log.info("resumed at step %d, version %d", learner.update.step_count, learner.version)
         learner.continue_versions()
-        if learner.rank == 0:  # producers on `--model learner` build the architecture from it
-            learner.store.describe(learner.model_config, cfg.model.name)
         if learner.rank == 0 and learner.critic is not None:  # SAO.md §5: what the critic trains
             log.info("critic parameters:\n%s", format_report(param_report(learner.critic)))
+        if learner.source:  # the checkpoint's positions are loaded: join, alone, before writing anything shared
+            learner.source.start().joined()
+            # producers on `--model learner` build the architecture from it
+            learner.store.describe(learner.model_config, cfg.model.name)
         learner.publish()  # version 0, or the restored version again (the same weights): producers ignore repeats
-        if learner.source:
-            learner.source.start()
         while not cfg.max_steps or learner.update.step_count < cfg.max_steps:
             step = learner.next_trajectories(stop)
             if step is None:

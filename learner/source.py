@@ -24,19 +24,47 @@ import collections
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from confluent_kafka import OFFSET_INVALID, KafkaException, TopicPartition
+from confluent_kafka import OFFSET_INVALID, KafkaError, KafkaException, TopicPartition
+from confluent_kafka.admin import AdminClient
 
 from learner.checks import Trainable, untrainable
 from schemas import topics as T
-from schemas.kafka import (FatalKafkaError, KafkaConfig, consumer_error, dead_letter, dead_letter_record,
-                           decode_or_dead_letter, make_consumer, make_producer)
+from schemas.config import ConfigError
+from schemas.kafka import (SESSION_TIMEOUT_S, FatalKafkaError, KafkaConfig, consumer_error, dead_letter,
+                           dead_letter_record, decode_or_dead_letter, make_consumer, make_producer)
 from schemas.messages import DeadLetter, Limits, Trajectory
+from schemas.retry import retrying, transient
 
 log = logging.getLogger(__name__)
-GROUP = "sao-learner"
+
+
+def group_id(kafka: KafkaConfig) -> str:
+    """The learner's consumer group: one per run (topic prefix), `sao-learner` by default."""
+    return f"{kafka.topic_prefix}-learner"
+
+
+class SecondLearner(ConfigError):
+    """Another consumer is in the learner's group: exactly one learner trains a run's trajectories
+    (two would each train on part of the stream, silently), so this one stops."""
+
+
+def other_members(kafka: KafkaConfig, group: str, me: str | None = None) -> list[str]:
+    """The members of `group` other than member id `me`, as "client@host" (empty: none)."""
+    admin = AdminClient(kafka.client(log_level=0))
+
+    def describe():
+        return admin.describe_consumer_groups([group], request_timeout=5)[group].result()
+    try:
+        members = retrying(describe).members
+    except KafkaException as e:  # a group never joined may be unknown rather than empty
+        if e.args[0].code() != KafkaError.GROUP_ID_NOT_FOUND:
+            raise
+        return []
+    return [f"{m.client_id}@{m.host.lstrip('/')}" for m in members if m.member_id != me]
 
 
 @dataclass(frozen=True)
@@ -102,6 +130,7 @@ class TrajectorySource:
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._assigned = threading.Event()  # the first assignment happened (or the thread failed)
         # The prefetch thread makes every call on the consumer: confluent-kafka calls from a second
         # thread while it polls were seen to block indefinitely. Commits and watermarks go through it.
         self._to_commit: list[TopicPartition] | None = None
@@ -126,20 +155,50 @@ class TrajectorySource:
         self.held_since = dict(state["held_since"])
 
     # ------------------------------------------------------------------ prefetch thread
+    def claim(self) -> None:
+        """Raise SecondLearner if another consumer is still in the group once a session timeout
+        has passed (a SIGKILLed predecessor has expired by then; a live learner has not). Called
+        before this learner touches anything shared; joining the group (`start`, `joined`) then
+        makes the claim hold."""
+        group, deadline = group_id(self.kafka), time.monotonic() + SESSION_TIMEOUT_S + 3
+        while others := other_members(self.kafka, group):
+            if time.monotonic() > deadline:
+                raise SecondLearner(
+                    f"group {group} on {self.topic} already has {', '.join(others)}: exactly one learner "
+                    f"consumes a run's trajectories; stop the other one, or give this run its own "
+                    f"--kafka.topic-prefix")
+            time.sleep(0.5)
+
     def start(self) -> TrajectorySource:
-        self.consumer = make_consumer(self.kafka, GROUP)
+        self.consumer = make_consumer(self.kafka, group_id(self.kafka))
         self.dlq = make_producer(self.kafka)
         self.consumer.subscribe([self.topic], on_assign=self._on_assign)
         self._thread = threading.Thread(target=self._prefetch, name="trajectory-prefetch", daemon=True)
         self._thread.start()
         return self
 
+    def joined(self, timeout: float = 120.0) -> None:
+        """Block until the group has assigned this learner its partitions, alone in the group (a
+        learner that raced this one's `claim` makes both stop here, before either publishes)."""
+        if not self._assigned.wait(timeout):
+            raise TimeoutError(f"group {group_id(self.kafka)} assigned no partitions within {timeout} s")
+        if self.error is not None:
+            raise self.error
+
     def _on_assign(self, consumer, partitions: list[TopicPartition]) -> None:
+        # another member took part of the stream (a second learner that raced this one's start
+        # check, or any consumer given this group): fenced, not rebalanced, since each would
+        # then train on part of the stream
+        if others := other_members(self.kafka, group_id(self.kafka), consumer.memberid()):
+            raise SecondLearner(f"{', '.join(others)} joined group {group_id(self.kafka)} and took "
+                                f"partitions of {self.topic}: exactly one learner consumes a run's "
+                                f"trajectories; this one stops")
         # the checkpoint's positions win over Kafka's committed offsets: a crash may have come
         # between the checkpoint and the commit
         for tp in partitions:
             tp.offset = self.positions.get(tp.partition, OFFSET_INVALID)
         consumer.assign(partitions)
+        self._assigned.set()
 
     def _prefetch(self) -> None:
         backlog: collections.deque = collections.deque()
@@ -155,27 +214,36 @@ class TrajectorySource:
                 paused = bool(backlog)
                 with self._lock:
                     offsets, self._to_commit = self._to_commit, None
-                if offsets:
-                    self._commit(offsets)
+                if offsets and not self._commit(offsets):
+                    with self._lock:  # retried at the next turn, unless a newer checkpoint's came meanwhile
+                        self._to_commit = self._to_commit or offsets
                 self._watermarks = self._high_watermarks()
                 msg = self.consumer.poll(1.0)
                 if msg is None or consumer_error(msg):
                     continue
                 backlog.append((msg.partition(), msg.offset(), self._check(msg), msg.value()))
-        except BaseException as e:  # a fatal Kafka error: step formation re-raises it
+        except BaseException as e:  # a fatal Kafka error or a fence: step formation re-raises it
             self.error = e
-            raise
+            self._assigned.set()
+            if not isinstance(e, SecondLearner):  # that one says all there is to say
+                log.exception("trajectory prefetch stopped")
         finally:
             with self._lock:  # the last checkpoint's commit may have come after the last poll
                 if self._to_commit:
                     self._commit(self._to_commit)
             self.dlq.flush(10)
 
-    def _commit(self, offsets: list[TopicPartition]) -> None:
+    def _commit(self, offsets: list[TopicPartition]) -> bool:
+        """Whether Kafka took the offsets. A transient failure (the coordinator moving or down)
+        only delays Kafka's copy: the checkpoint holds the positions, so the learner goes on."""
         try:
             self.consumer.commit(offsets=offsets, asynchronous=False)
-        except KafkaException as e:  # the checkpoint holds the positions: only Kafka's copy lags
-            raise FatalKafkaError(f"Kafka: committing offsets of {self.topic} failed: {e.args[0].str()}") from e
+            return True
+        except KafkaException as e:
+            if not transient(e.args[0]):
+                raise FatalKafkaError(f"Kafka: committing offsets of {self.topic} failed: {e.args[0].str()}") from e
+            log.warning("committing offsets of %s: %s; retrying", self.topic, e.args[0].str())
+            return False
 
     def _check(self, msg) -> Trajectory | None:
         """The trajectory if it decodes and this learner can train it; else None, dead-lettered."""
@@ -232,8 +300,10 @@ class TrajectorySource:
             try:
                 item = self._queue.get(timeout=0.2)
             except queue.Empty:
+                if isinstance(self.error, SecondLearner):
+                    raise self.error
                 if self.error is not None:
-                    raise RuntimeError("trajectory prefetch stopped") from self.error
+                    raise RuntimeError(f"trajectory prefetch stopped: {self.error}") from self.error
                 if stop.is_set():
                     self.positions, self.counts, self.held, self.held_since = snapshot
                     return None
@@ -264,11 +334,13 @@ class TrajectorySource:
         return self.held.pop(group)
 
     # ------------------------------------------------------------------ Kafka offsets and lag
-    def commit(self) -> None:
-        """Commit the positions (call only after the checkpoint holding them is durable); the
-        prefetch thread sends it before its next poll."""
+    def commit(self, positions: dict[int, int]) -> None:
+        """Commit `positions`, those a durable checkpoint holds (`state_dict()["positions"]` as it
+        was saved), never the live ones: a partition first read after the save is not in that
+        checkpoint, and a restart from it must find Kafka's offset of that partition where it was.
+        The prefetch thread sends it before its next poll, retrying while the broker cannot take it."""
         with self._lock:
-            self._to_commit = [TopicPartition(self.topic, p, o) for p, o in self.positions.items()]
+            self._to_commit = [TopicPartition(self.topic, p, o) for p, o in positions.items()]
 
     def _high_watermarks(self) -> dict[int, int]:
         """Cached end offsets of the assigned partitions (no broker round trip)."""

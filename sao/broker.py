@@ -198,11 +198,18 @@ class EmbeddedBroker:
         self.close()
 
 
+def embedded_unless_named() -> KafkaConfig:
+    """The KafkaConfig default of the commands that bring their own broker (`sao up`, `stack`,
+    `demo`): an empty bootstrap, meaning "start one", unless `--kafka.bootstrap` or
+    `SAO_KAFKA_BOOTSTRAP` names a cluster (parse() layers both over this default)."""
+    return KafkaConfig(bootstrap="")
+
+
 @contextmanager
 def cluster(kafka: KafkaConfig, broker: BrokerConfig):
-    """The cluster `SAO_KAFKA_BOOTSTRAP` names, or else an embedded broker for the duration;
-    `kafka.bootstrap` points at whichever serves."""
-    if "SAO_KAFKA_BOOTSTRAP" in os.environ:
+    """The cluster `kafka.bootstrap` names (from `--kafka.bootstrap` or `SAO_KAFKA_BOOTSTRAP`), or,
+    when it is empty, an embedded broker for the duration; `kafka.bootstrap` then points at it."""
+    if kafka.bootstrap:
         yield kafka
         return
     with EmbeddedBroker(broker) as b:

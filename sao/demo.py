@@ -1,6 +1,6 @@
 """A visible produce -> consume round trip of trajectories through the embedded broker.
 
-Starts Apache Kafka (unless `SAO_KAFKA_BOOTSTRAP` points at a cluster), creates every topic,
+Starts Apache Kafka (unless `--kafka.bootstrap` or `SAO_KAFKA_BOOTSTRAP` names a cluster), creates every topic,
 publishes random trajectories and reads them back, checking each is byte-identical.
 """
 
@@ -14,7 +14,7 @@ import numpy as np
 from schemas import topics as T
 from schemas.kafka import KafkaConfig, ensure_topics, make_consumer, make_producer, produce
 from schemas.messages import Trajectory, decode
-from sao.broker import BrokerConfig, cluster
+from sao.broker import BrokerConfig, cluster, embedded_unless_named
 
 
 @dataclass(kw_only=True)
@@ -23,7 +23,8 @@ class DemoConfig:
     """How many trajectories to send round trip."""
     max_tokens: int = 4096
     """Longest random trajectory."""
-    kafka: KafkaConfig = field(default_factory=KafkaConfig)
+    kafka: KafkaConfig = field(default_factory=embedded_unless_named)
+    """The cluster; an empty `--kafka.bootstrap` (the default) starts an embedded broker."""
     broker: BrokerConfig = field(default_factory=lambda: BrokerConfig(port=0))
 
 

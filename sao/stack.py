@@ -1,7 +1,7 @@
 """`sao stack`: `sao up` with the tiny model, no dashboard and the learning curves as
 `<run-dir>/learning.png`; the plain form for scripts and tests (`make run` is `sao up`).
 
-Starts Apache Kafka (unless `SAO_KAFKA_BOOTSTRAP` points at a cluster), then each service as its
+Starts Apache Kafka (unless `--kafka.bootstrap` or `SAO_KAFKA_BOOTSTRAP` names a cluster), then each service as its
 own process: the learner, `--producers` producers and the prompt feeder; stops them all after
 `--steps` learner steps.
 """

@@ -1,6 +1,6 @@
 """`sao up` (what `make run` runs): the whole pipeline on this machine with a live dashboard.
 
-Starts Apache Kafka (unless `SAO_KAFKA_BOOTSTRAP` names a cluster), creates the topics, then each
+Starts Apache Kafka (unless `--kafka.bootstrap` or `SAO_KAFKA_BOOTSTRAP` names a cluster), creates the topics, then each
 service as its own process, as they would run on separate machines: the learner, `--producers`
 producers (each serving Prometheus metrics on a free port) and the prompt feeder. A child that
 crashes is reported and restarted, at most `--max-restarts` times each (a producer's prompts go to
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sao import report
-from sao.broker import BrokerConfig, cluster, free_port
+from sao.broker import BrokerConfig, cluster, embedded_unless_named, free_port
 from sao.dashboard import Dashboard
 from sao.supervisor import Supervisor
 from schemas.kafka import KafkaConfig, ensure_topics
@@ -59,7 +59,8 @@ class UpConfig:
     """Restarts of one crashed child before `sao up` gives up."""
     dashboard: bool = True
     """Live dashboard when the output is a terminal (else a progress line every 10 s)."""
-    kafka: KafkaConfig = field(default_factory=KafkaConfig)
+    kafka: KafkaConfig = field(default_factory=embedded_unless_named)
+    """The cluster; an empty `--kafka.bootstrap` (the default) starts an embedded broker."""
     broker: BrokerConfig = field(default_factory=lambda: BrokerConfig(port=0))
 
 

@@ -32,7 +32,8 @@ def passthrough_settings(environ: Mapping[str, str]) -> dict[str, str]:
 @dataclass(kw_only=True)
 class KafkaConfig:
     bootstrap: str = "127.0.0.1:9092"
-    """Bootstrap servers of the cluster (`SAO_KAFKA_BOOTSTRAP`)."""
+    """Bootstrap servers of the cluster (`SAO_KAFKA_BOOTSTRAP`); `sao up`, `stack` and `demo` start
+    an embedded broker unless this is set."""
     topic_prefix: str = "sao"
     """Prefix of every topic name (`sao.prompts`, ...)."""
     settings: dict[str, str] = field(default_factory=lambda: passthrough_settings(os.environ))
@@ -57,6 +58,10 @@ def make_producer(cfg: KafkaConfig, **overrides) -> Producer:
     }))
 
 
+SESSION_TIMEOUT_S = 6.0
+"""A group member that stops heartbeating is dropped from its group this long after."""
+
+
 def make_consumer(cfg: KafkaConfig, group_id: str, **overrides) -> Consumer:
     """A consumer with manual commits and group timeouts tuned so a member joins in seconds."""
     return Consumer(cfg.client(**{
@@ -64,7 +69,7 @@ def make_consumer(cfg: KafkaConfig, group_id: str, **overrides) -> Consumer:
         "enable.auto.commit": False,
         "enable.auto.offset.store": False,  # offsets are stored only once a result is durable
         "auto.offset.reset": "earliest",
-        "session.timeout.ms": 6000,  # librdkafka's 45 s default makes a dead member linger
+        "session.timeout.ms": int(SESSION_TIMEOUT_S * 1000),  # librdkafka's 45 s default makes a dead member linger
         "heartbeat.interval.ms": 500,
         "max.poll.interval.ms": 600_000,  # a training step or an episode may take minutes
         "topic.metadata.refresh.interval.ms": 10_000,  # a deleted topic surfaces in seconds, not 5 min

@@ -1,5 +1,11 @@
-"""Admin-style Kafka reads (watermarks, a group's committed offsets) that ride out transient
-broker states: a just-created topic electing its leader, a group coordinator still loading."""
+"""The one rule for Kafka errors outside the clients' own retries: which are transient (retried with
+a bounded backoff, `retrying`) and which are not (the caller stops with a clear message).
+
+Transient: a just-created topic electing its leader, a leader or group coordinator moving to
+another broker or still loading, a broker down or unreachable for a while, a request timing out,
+a consumer group rebalancing under a commit. Everything else (authentication, authorisation, a
+topic that does not exist, a fatal client error) is not worth a retry.
+"""
 
 from __future__ import annotations
 
@@ -11,11 +17,19 @@ from confluent_kafka import KafkaError, KafkaException
 
 R = TypeVar("R")
 
-# not all flagged retriable by librdkafka, yet transient right after topics or groups appear
+# not all flagged retriable by librdkafka, yet transient while topics, leaders or groups move
 TRANSIENT = {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE,
              KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_PARTITION,
              KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_NOT_AVAILABLE,
-             KafkaError.COORDINATOR_LOAD_IN_PROGRESS, KafkaError._TIMED_OUT}
+             KafkaError.COORDINATOR_LOAD_IN_PROGRESS, KafkaError._WAIT_COORD, KafkaError._TIMED_OUT,
+             KafkaError.REQUEST_TIMED_OUT, KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN,
+             KafkaError.NOT_ENOUGH_REPLICAS, KafkaError.NOT_ENOUGH_REPLICAS_AFTER_APPEND,
+             KafkaError.REBALANCE_IN_PROGRESS, KafkaError.ILLEGAL_GENERATION, KafkaError.UNKNOWN_MEMBER_ID}
+
+
+def transient(err: KafkaError) -> bool:
+    """Whether waiting and trying again can fix `err`."""
+    return not err.fatal() and (err.code() in TRANSIENT or err.retriable())
 
 
 def retrying(call: Callable[[], R], timeout: float = 60.0) -> R:
@@ -25,8 +39,7 @@ def retrying(call: Callable[[], R], timeout: float = 60.0) -> R:
         try:
             return call()
         except KafkaException as e:
-            err = e.args[0]
-            if err.code() not in TRANSIENT and not err.retriable() or time.monotonic() > deadline:
+            if not transient(e.args[0]) or time.monotonic() > deadline:
                 raise
             time.sleep(backoff)
             backoff = min(2 * backoff, 2.0)

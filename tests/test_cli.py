@@ -9,12 +9,23 @@ import subprocess
 import sys
 from pathlib import Path
 
+from confluent_kafka import TopicPartition
+
+from schemas import topics as T
+from schemas.kafka import make_consumer
+from tests.learner.service_util import announcements
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _sao(*args: str, kafka_cfg=None, timeout: float = 300) -> subprocess.CompletedProcess:
+def _sao(*args: str, kafka_cfg=None, as_flags: bool = False, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`sao ARGS` on the test cluster, named by SAO_KAFKA_* variables or (`as_flags`) by
+    `--kafka.*` flags alone, with no SAO_KAFKA_BOOTSTRAP in the environment."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SAO_LOG_LEVEL": "WARNING"}
-    if kafka_cfg is not None:
+    if kafka_cfg is not None and as_flags:
+        env.pop("SAO_KAFKA_BOOTSTRAP", None)
+        args = (*args, "--kafka.bootstrap", kafka_cfg.bootstrap, "--kafka.topic-prefix", kafka_cfg.topic_prefix)
+    elif kafka_cfg is not None:
         env |= {"SAO_KAFKA_BOOTSTRAP": kafka_cfg.bootstrap, "SAO_KAFKA_TOPIC_PREFIX": kafka_cfg.topic_prefix}
     return subprocess.run([sys.executable, "-m", "sao", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
@@ -37,6 +48,28 @@ def test_demo_round_trips_through_the_broker(kafka_cfg):
     out = _sao("demo", "--trajectories", "5", "--max-tokens", "500", kafka_cfg=kafka_cfg)
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("byte-identical") == 5 and "round trip OK" in out.stdout
+
+
+def _on_the_cluster(kafka_cfg, topic, n: int) -> None:
+    """`topic` of the named cluster holds `n` messages (written there, not to a broker of its own)."""
+    consumer = make_consumer(kafka_cfg, "watermarks")
+    try:
+        parts = consumer.list_topics(topic, timeout=10).topics[topic].partitions
+        assert sum(consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in parts) == n
+    finally:
+        consumer.close()
+
+
+def test_demo_and_stack_use_the_cluster_named_by_the_flag_not_a_broker_of_their_own(kafka_cfg, tmp_path):
+    out = _sao("demo", "--trajectories", "3", "--max-tokens", "100", kafka_cfg=kafka_cfg, as_flags=True)
+    assert out.returncode == 0, out.stderr
+    assert "broker up at" not in out.stdout and "round trip OK" in out.stdout
+    _on_the_cluster(kafka_cfg, kafka_cfg.topic(T.TRAJECTORIES), 3)
+    out = _sao("stack", "--steps", "1", "--producers", "1", "--batch-trajectories", "2",
+               "--run-dir", str(tmp_path), kafka_cfg=kafka_cfg, as_flags=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "broker up at" not in out.stdout
+    assert [w.version for w in announcements(kafka_cfg, timeout=10)][:1] == [0]  # the learner's, on the named cluster
 
 
 def test_stack_runs_learner_producers_and_feeder_and_plots(kafka_cfg, tmp_path):
