@@ -1,4 +1,5 @@
-"""Reward joiner metrics: Prometheus (optionally served on a port) and a periodic log line.
+"""Reward joiner and judge metrics: Prometheus (optionally served on a port) and, for the joiner, a
+periodic log line.
 
 Names: `sao_joiner_events_total{event}` (joined, waiting, turn, duplicate, late, timeout,
 expired_reward, duplicate_trajectory, dlq, forgotten), `sao_joiner_pending` (trajectories waiting
@@ -57,6 +58,30 @@ class JoinerMetrics:
                  (c["joined"] - joined0) / dt, self._pending, p50, p99, c["joined"], c["timeout"],
                  c["duplicate"], c["late"], c["expired_reward"], c["dlq"])
         self._last = (time.monotonic(), c["joined"])
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+
+
+class JudgeMetrics:
+    """`sao judge`: rewards published by criterion, trajectories skipped by reason, seconds per
+    reward (judging and publishing), on a Prometheus port when one is given."""
+
+    def __init__(self, port: int = 0):
+        self.registry = r = CollectorRegistry()
+        self.rewards = Counter("sao_judge_rewards", "Rewards published", ["criterion"], registry=r)
+        self.skips = Counter("sao_judge_skipped", "Trajectories not scored", ["reason"], registry=r)
+        self.seconds = Histogram("sao_judge_seconds", "Judging and publishing one reward",
+                                 buckets=(0.001, 0.01, 0.1, 0.5, 1, 5, 30, 120), registry=r)
+        self._server = start_http_server(port, registry=r)[0] if port else None
+
+    def scored(self, criterion: str, seconds: float) -> None:
+        self.rewards.labels(criterion).inc()
+        self.seconds.observe(seconds)
+
+    def skipped(self, reason: str) -> None:
+        self.skips.labels(reason).inc()
 
     def close(self) -> None:
         if self._server is not None:

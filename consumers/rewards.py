@@ -9,6 +9,7 @@ tables need.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field
 
 from confluent_kafka import Producer
@@ -37,6 +38,22 @@ class RewardPublisher:
             raise TimeoutError(f"rewards not acknowledged by the broker within {timeout}s")
         if self.failed:
             raise RuntimeError(f"rewards not delivered: {self.failed}")
+
+    def deliver(self, reward: Reward, stop: threading.Event) -> bool:
+        """Send `reward` and wait until the broker has it, sending it again if librdkafka's own
+        retries ran out (the cluster down for minutes): a broker outage delays a reward, never
+        loses it or stops the caller. False if `stop` came first."""
+        while not stop.is_set():
+            outcome: list = []
+            self.send(reward, on_delivery=lambda err, _: outcome.append(err))
+            while not outcome and not stop.is_set():
+                self.producer.flush(1.0)
+            if outcome and outcome[0] is None:
+                return True
+            if outcome:
+                log.warning("reward for %s not delivered (%s); sending it again", reward.trajectory_id, outcome[0])
+                stop.wait(1.0)
+        return False
 
     def _check(self, err, msg) -> None:
         if err is not None:

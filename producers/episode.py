@@ -10,8 +10,9 @@ travel with it, so the learner can refuse what it would not recompute the same w
 observation, if any, is dropped: nothing acts on it.
 
 An episode is a coroutine so a producer keeps many in flight on one event loop: it awaits the
-generator, and runs each environment step in a worker thread (a sandboxed tool call blocks for
-seconds; tokenising does not, but one rule is simpler than two).
+generator, and calls the environment through the plug-in boundary (schemas/boundary.py: a
+thread per call, bounded in time, its results checked), since a sandboxed tool call blocks for
+seconds and a plug-in may hang, raise anything, or return what no trajectory can carry.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ import json
 import numbers
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
+from schemas.boundary import Bounds, call, reward, room, token_ids
 from producers.envs.base import Env, Episode, Step
 from producers.generate.base import Generator, SamplingParams
 from producers.generate.sim import ToolLatency
@@ -44,59 +46,69 @@ class TrajectoryIds:
 
 
 async def run_episode(episode: Episode, generator: Generator, params: SamplingParams,
-                      ids: TrajectoryIds) -> Trajectory:
-    """Alternate generator turns and environment steps until done or `episode.max_turns`."""
+                      ids: TrajectoryIds, bounds: Bounds | None = None) -> Trajectory:
+    """Alternate generator turns and environment steps until done or `episode.max_turns`. Every
+    call into the episode goes through the plug-in boundary (schemas/boundary.py): bounded in
+    time, its results checked, whatever it does costing this episode alone."""
+    bounds = bounds or Bounds(plugin=f"env {ids.env}")
     if params.max_tokens < 1:
         raise ValueError("max_tokens must be >= 1: every turn needs an action token")
     spans = {"tokens": [], "action_mask": [], "rollout_logprobs": [], "versions": []}
+    used = 0
 
     def add(token_ids, acted: bool, logprobs=None, versions=None) -> None:
+        nonlocal used
         n = len(token_ids)
+        used += n
         spans["tokens"].append(np.asarray(token_ids, np.int32))
         spans["action_mask"].append(np.full(n, acted, np.uint8))
         spans["rollout_logprobs"].append(np.zeros(n, np.float32) if logprobs is None else logprobs)
         spans["versions"].append(np.full(n, -1, np.int32) if versions is None else versions)
 
-    add(episode.prompt_ids, False)
+    prompt, max_turns = await call(bounds, "env.episode", lambda: (
+        token_ids(bounds, "env.prompt_ids", episode.prompt_ids), _turns(bounds, episode.max_turns)))
+    room(bounds, "env.prompt_ids", 0, len(prompt))
+    add(prompt, False)
     turn_rewards, timing = [], {"generate_s": 0.0, "env_s": 0.0}
     start = time.perf_counter()
-    for turn in range(1, episode.max_turns + 1):
-        gen = await generator.generate(np.concatenate(spans["tokens"]).tolist(), params)
+    for turn in range(1, max_turns + 1):
+        turn_params = replace(params, max_tokens=min(params.max_tokens, bounds.max_tokens - used))
+        gen = await generator.generate(np.concatenate(spans["tokens"]).tolist(), turn_params)
         add(gen.token_ids, True, gen.logprobs, gen.versions)
         timing["generate_s"] += gen.timing.get("generate_s", 0.0)
         t = time.perf_counter()
-        step = await asyncio.to_thread(env_step, episode, gen.token_ids.tolist())
+        step = await call(bounds, "env.step", env_step, bounds, episode, gen.token_ids.tolist())
         timing["env_s"] += time.perf_counter() - t
-        if step.done or turn == episode.max_turns:
+        if step.done or turn == max_turns:
             break
         if step.reward is not None:
-            last_action = sum(len(x) for x in spans["tokens"]) - 1
-            turn_rewards.append((last_action, float(step.reward)))
+            turn_rewards.append((used - 1, step.reward))  # on the last token of this turn's action span
+        room(bounds, "env.step.observation", used, len(step.observation))
         add(step.observation, False)
     timing["total_s"] = time.perf_counter() - start
     return Trajectory(id=ids.id, prompt_id=ids.prompt_id, env=ids.env, producer_id=ids.producer_id,
                       group=ids.group, group_size=ids.group_size,
                       **{k: np.concatenate(v) for k, v in spans.items()},
-                      prompt_len=len(episode.prompt_ids), reward=step.reward, turn_rewards=turn_rewards,
+                      prompt_len=len(prompt), reward=step.reward, turn_rewards=turn_rewards,
                       temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                       finish_reason=gen.finish_reason, num_turns=turn, timing=timing)
 
 
-def env_step(episode: Episode, action_ids: list[int]) -> Step:
-    """`episode.step`, checked: whatever the environment raises or returns amiss costs this
-    episode's prompt (SchemaError: to the DLQ), not the producer."""
-    try:
-        step = episode.step(action_ids)
-    except SchemaError:
-        raise
-    except Exception as e:  # a plug-in (or a built-in on a task it cannot handle) may raise anything
-        raise SchemaError("env.step", f"{type(e).__name__}: {e}") from e
+def _turns(bounds: Bounds, max_turns) -> int:
+    if not isinstance(max_turns, numbers.Integral) or isinstance(max_turns, bool) or max_turns < 1:
+        raise bounds.fail("env.max_turns", f"expected an int >= 1, got {max_turns!r:.40}")
+    return int(max_turns)
+
+
+def env_step(bounds: Bounds, episode: Episode, action_ids: list[int]) -> Step:
+    """`episode.step`, its result checked (a Step, int token ids in the vocabulary, finite
+    rewards); runs on the boundary's thread (`call`), which turns whatever it raises into a
+    PluginError."""
+    step = episode.step(action_ids)
     if not isinstance(step, Step):
-        raise SchemaError("env.step", f"expected a Step, got {type(step).__name__}")
-    obs = step.observation
-    if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in obs):
-        raise SchemaError("env.step.observation", f"expected int token ids, got {list(obs)[:4]!r}")
-    return step
+        raise bounds.fail("env.step", f"expected a Step, got {type(step).__name__}")
+    return Step(observation=token_ids(bounds, "env.step.observation", step.observation),
+                reward=reward(bounds, "env.step.reward", step.reward), done=bool(step.done))
 
 
 @dataclass(kw_only=True)
@@ -108,22 +120,20 @@ class Player:
     params: SamplingParams
     producer_id: str
     tool_s: float = 0.0  # simulated tool-call time per continuing step (sim backend)
+    bounds: Bounds | None = None
+    """What the env's results must fit (default: its name and the codec's limits)."""
 
     async def play(self, prompt: Prompt) -> Trajectory:
         """One episode of `prompt`; SchemaError when its env or task is not one this producer can play."""
         if prompt.env != self.env.name:
             raise SchemaError("env", f"this producer plays {self.env.name!r}, not {prompt.env!r}")
-        try:
-            episode = self.env.episode(prompt.task)
-        except SchemaError:
-            raise
-        except Exception as e:  # the env could not start this task, whatever it raised
-            raise SchemaError("task", f"{type(e).__name__}: {e}") from e
+        bounds = self.bounds or Bounds(plugin=f"env {self.env.name}")
+        episode = await call(bounds, "task", self.env.episode, prompt.task)  # the env could not start this task
         if self.tool_s:
             episode = ToolLatency(episode, self.tool_s)
         ids = TrajectoryIds(id=prompt.trajectory_id, prompt_id=prompt.id, env=prompt.env,
                             producer_id=self.producer_id, group=prompt.group, group_size=prompt.group_size)
-        return await run_episode(episode, self.generator, self.params, ids)
+        return await run_episode(episode, self.generator, self.params, ids, bounds)
 
 
 def play_tasks(env: Env, generator: Generator, params: SamplingParams, rng: random.Random, *,

@@ -42,16 +42,19 @@ from pathlib import Path
 
 from confluent_kafka import TopicPartition
 
+from schemas.boundary import Bounds, call_sync
 from producers.datasets import dataset_prompts, load_rows
 from producers.envs import env_factory, make_env
 from schemas.retry import retrying
 from schemas import topics as T
 from schemas.config import ConfigError
 from schemas.kafka import FatalKafkaError, KafkaConfig, ensure_topics, make_consumer, make_producer, produce
-from schemas.messages import Prompt
+from schemas.messages import Prompt, SchemaError
 from schemas.process import stop_on_signals
 
 log = logging.getLogger(__name__)
+
+MAX_BAD_TASKS = 100
 
 
 @dataclass(kw_only=True)
@@ -113,10 +116,25 @@ def unfinished(high: Mapping[int, int], low: Mapping[int, int], committed: Mappi
     return sum(h - max(committed.get(p, -1), low.get(p, 0)) for p, h in high.items())
 
 
-def prompts_from_env(env_name: str, seed: int) -> Iterator[Prompt]:
+def prompts_from_env(env_name: str, seed: int, errors: list[str], timeout_s: float = 120.0) -> Iterator[Prompt]:
+    """Prompts of the env's own tasks. `sample_task` is a plug-in call (schemas/boundary.py): a
+    task it fails to make, or one that cannot travel as a prompt, is skipped and counted in
+    `errors`; MAX_BAD_TASKS failures in a row mean it never will, and stop the feed."""
     env, rng = make_env(env_name), random.Random(seed)
+    bounds, failures = Bounds(plugin=f"env {env_name}", timeout_s=timeout_s), 0
     while True:
-        yield Prompt(id=f"{env_name}-{uuid.uuid4().hex}", env=env_name, task=env.sample_task(rng))
+        try:
+            prompt = Prompt(id=f"{env_name}-{uuid.uuid4().hex}", env=env_name,
+                            task=call_sync(bounds, "env.sample_task", env.sample_task, rng))
+            Prompt.decode(prompt.encode())  # the task must be a map the codec carries
+        except (SchemaError, TypeError, ValueError, OverflowError) as e:  # msgpack: types it cannot encode
+            errors.append(f"task: {e}")
+            log.warning("task skipped: %s", e)
+            if (failures := failures + 1) >= MAX_BAD_TASKS:
+                raise ConfigError(f"--env {env_name}: its last {failures} tasks all failed; the last: {e}") from e
+            continue
+        failures = 0
+        yield prompt
 
 
 def fan_out(prompt: Prompt, group_size: int) -> list[Prompt]:
@@ -213,7 +231,7 @@ def groups(cfg: FeedConfig, errors: list[str], start: int = 0,
     if cfg.dataset:
         tasks = dataset_prompts(load_rows(Path(cfg.dataset), cfg.env, errors), cfg.epochs, cfg.seed, cfg.shuffle)
     else:
-        tasks = prompts_from_env(cfg.env, cfg.seed)
+        tasks = prompts_from_env(cfg.env, cfg.seed, errors)
     for position, prompt in itertools.islice(enumerate(tasks), start, None):
         yield position, [p for p in fan_out(prompt, cfg.group_size) if (position, p.sample) not in published]
 

@@ -2,7 +2,8 @@
 
     score(task: dict, text: str, trajectory: schemas.messages.Trajectory) -> float | None
 
-is called once per finished episode, in a worker thread: `task` is the prompt's task map, `text`
+is called once per finished episode, through the plug-in boundary (schemas/boundary.py: its own
+thread, at most `--env-step-timeout` seconds): `task` is the prompt's task map, `text`
 the decoded action tokens of the response (every turn's, special tokens skipped), `trajectory` the
 episode as it will be published. Its value replaces the trajectory's outcome reward (whatever the
 env gave); None sends the trajectory to `sao.trajectories.pending` for a live reward stream, as an
@@ -17,14 +18,17 @@ import math
 import numbers
 from collections.abc import Callable
 
-from schemas.messages import Trajectory
+from schemas.messages import SchemaError, Trajectory
 from schemas.plugins import load_callable
 
 RewardFn = Callable[[dict, str, Trajectory], float | None]
 
 
-class RewardError(ValueError):
+class RewardError(SchemaError):
     """The reward function failed on one episode; its prompt goes to the DLQ."""
+
+    def __init__(self, problem: str):
+        super().__init__("reward", problem)
 
 
 def load_reward(spec: str) -> RewardFn:
@@ -46,7 +50,7 @@ def scored(fn: RewardFn, spec: str, task: dict, text: str, traj: Trajectory) -> 
     """`traj` with the outcome reward `fn` gives it."""
     try:
         value = fn(task, text, traj)
-    except Exception as e:  # the user's function may raise anything; it costs this episode only
+    except BaseException as e:  # noqa: BLE001 - the user's function may raise anything, SystemExit too; it costs this episode only
         raise RewardError(f"--reward {spec} raised {type(e).__name__}: {e}") from e
     return dataclasses.replace(traj, reward=outcome(value, spec), meta={**traj.meta, "reward_source": spec})
 

@@ -21,9 +21,11 @@ coroutines on one thread, and all Kafka client calls and offset bookkeeping stay
 pool of `--concurrency` worker threads. Threads would have needed a lock around the offsets and
 a thread per episode even while it only waits.
 
-SIGTERM or SIGINT stops taking prompts; the episodes in flight finish and are delivered, their
-offsets committed, and the consumer leaves the group, handing its partitions to the others at
-once. Weights follow `sao.weights` in a background thread (producers/weights.py); the generator
+SIGTERM or SIGINT stops taking prompts; the episodes in flight get `--drain-s` seconds to finish
+and be delivered, the rest are abandoned unpublished (a hanging env step included: it runs in a
+daemon thread, schemas/boundary.py), the delivered prefix is committed, and the consumer leaves
+the group, handing its partitions, and the abandoned prompts, to the others at once: the process
+is gone within `--drain-s` plus a few seconds. Weights follow `sao.weights` in a background thread (producers/weights.py); the generator
 swaps them between decode steps of its running batch. Metrics: Prometheus on `--metrics-port`,
 and a log line every `--log-every-s`.
 """
@@ -32,25 +34,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import socket
 import threading
-from concurrent.futures import ThreadPoolExecutor
+import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-from confluent_kafka import KafkaException, TopicPartition
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
+from schemas.boundary import Bounds, call
 from producers.envs import build_env, check_env, env_factory, takes
 from producers.envs.text import TextEnv
 from producers.envs.chat import Chat
 from producers.episode import Player
 from producers.generate.base import Generator, SamplingParams
-from producers.generate.http import InvalidGeneration
 from producers.generate.sim import SimConfig
 from producers.metrics import ProducerMetrics
 from producers.offsets import OffsetCommitter
-from producers.rewards import RewardError, scorer
+from producers.rewards import scorer
 from producers.sandbox import Sandbox, SandboxConfig
 from producers.weights import WeightSubscriber, learner_store
 from schemas import topics as T
@@ -59,7 +62,8 @@ from schemas.kafka import (KafkaConfig, consumer_error, dead_letter, decode_or_d
 from schemas.process import stop_on_signals
 from schemas.config import ConfigError
 from schemas.models import FROM_LEARNER, check_model
-from schemas.messages import Prompt, SchemaError, Trajectory
+from schemas.messages import DEFAULT_LIMITS, Prompt, SchemaError, Trajectory
+from schemas.retry import transient
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +106,12 @@ class ProducerConfig:
     """Follow sao.weights (with the http backend: only to tag versions the server does not report)."""
     max_prompts: int = 0
     """Stop after this many prompts (0: run until SIGTERM)."""
+    env_step_timeout: float = 120.0
+    """Seconds one call into the env or --reward plug-in may take (start, step, score); a call that
+    takes longer is abandoned and its prompt dead-lettered."""
+    drain_s: float = 10.0
+    """On SIGTERM, seconds the episodes in flight get to finish and be delivered; the rest are
+    abandoned unpublished and their prompts redelivered to another producer."""
     metrics_port: int = 0
     """Serve Prometheus metrics on this port (0: off)."""
     log_every_s: float = 30.0
@@ -114,6 +124,8 @@ class ProducerConfig:
         env_factory(self.env)  # an unknown name or a plug-in that does not import fails here
         if self.concurrency < 1:
             raise ConfigError(f"--concurrency {self.concurrency}: must be >= 1")
+        if not self.env_step_timeout > 0 or self.drain_s < 0:
+            raise ConfigError("--env-step-timeout must be > 0 and --drain-s >= 0")
         if self.backend == "hf":  # the other backends name a model their server or engine knows
             check_model(self.model, from_learner=True)
         if self.model == FROM_LEARNER and not (self.backend == "hf" and self.follow_weights):
@@ -154,18 +166,48 @@ def make_parts(cfg: ProducerConfig, tokenizer) -> tuple:
     check_env(env)  # an env that needs the tokenizer and has none was refused above
     score = scorer(cfg.reward, tokenizer) if cfg.reward else None
     stops = Chat(tokenizer).stop_token_ids() if tokenizer is not None else ()
-    return env, SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens, stop_token_ids=stops), score
+    try:
+        params = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens, stop_token_ids=stops)
+    except ValueError as e:  # "temperature: must be ..." names the flag
+        raise ConfigError(f"--{e}".replace("_", "-", 1)) from None
+    return env, params, score
+
+
+def env_bounds(cfg: ProducerConfig, generator: Generator) -> Bounds:
+    """What the env's results must fit: the vocabulary and context window of the model, where the
+    generator knows them (an http backend's server checks its own)."""
+    context = getattr(generator, "context", None) or DEFAULT_LIMITS.max_tokens
+    return Bounds(plugin=f"env {cfg.env}", vocab_size=getattr(generator, "vocab_size", None),
+                  max_tokens=min(context, DEFAULT_LIMITS.max_tokens), timeout_s=cfg.env_step_timeout)
+
+
+# the broker refuses this message whatever the retries: the episode's prompt goes to the DLQ
+_REFUSED = {KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.INVALID_RECORD, KafkaError.RECORD_LIST_TOO_LARGE}
 
 
 async def deliver(producer, topic: str, traj: Trajectory) -> None:
-    """Produce the trajectory and wait until the broker acknowledges it; raise if it cannot. The
-    acknowledgement arrives in `producer.poll`, which the service loop calls on this thread."""
-    acked = asyncio.get_running_loop().create_future()
-    produce(producer, topic, traj.encode(), key=traj.key,
-            on_delivery=lambda err, _: acked.done() or acked.set_result(err))
-    err = await acked
-    if err is not None:
-        raise KafkaException(err)
+    """Produce the trajectory and wait until the broker acknowledges it. A message the broker
+    refuses (too large, invalid) raises SchemaError (its prompt is dead-lettered); one that could
+    not be delivered yet (the cluster down longer than librdkafka's own retries) is produced again;
+    anything else raises. The acknowledgement arrives in `producer.poll`, which the service loop
+    calls on this thread."""
+    payload = traj.encode()
+    if len(payload) > T.MAX_MESSAGE_BYTES:
+        raise SchemaError("trajectory", f"{len(payload)} bytes exceeds the {T.MAX_MESSAGE_BYTES}-byte message limit")
+    backoff = 0.5
+    while True:
+        acked = asyncio.get_running_loop().create_future()
+        produce(producer, topic, payload, key=traj.key, on_delivery=lambda err, _, f=acked: f.done() or f.set_result(err))
+        err = await acked
+        if err is None:
+            return
+        if err.code() in _REFUSED:
+            raise SchemaError("trajectory", f"the broker refused it: {err.str()}")
+        if not transient(err):
+            raise KafkaException(err)
+        log.warning("trajectory %s not delivered (%s); producing it again", traj.id, err.str())
+        await asyncio.sleep(backoff)
+        backoff = min(2 * backoff, 10.0)
 
 
 def run(cfg: ProducerConfig, stop: threading.Event | None = None) -> None:
@@ -187,14 +229,14 @@ def run(cfg: ProducerConfig, stop: threading.Event | None = None) -> None:
     ensure_topics(cfg.kafka)
     generator = generator or make_generator(cfg)
     player = Player(env=env, generator=generator, params=params, producer_id=cfg.producer_id,
-                    tool_s=cfg.sim.tool_s if cfg.backend == "sim" else 0.0)
+                    tool_s=cfg.sim.tool_s if cfg.backend == "sim" else 0.0, bounds=env_bounds(cfg, generator))
     metrics = ProducerMetrics(cfg.producer_id, cfg.metrics_port, cfg.log_every_s)
     sub = WeightSubscriber(cfg.kafka, generator, verify_files=cfg.backend in ("hf", "vllm")) if cfg.follow_weights else None
     producer = make_producer(cfg.kafka)
     consumer = make_consumer(cfg.kafka, cfg.group, **{"partition.assignment.strategy": "cooperative-sticky"})
     done = 0
     try:
-        if sub is not None and not sub.start().caught_up.wait(120):
+        if sub is not None and not _wait(sub.start().caught_up, stop, 120):
             log.warning("weights backlog not read within 120 s; starting on version %d", generator.version)
         if sub is not None and isinstance(sub.error, ConfigError):  # e.g. not the learner's architecture
             raise sub.error
@@ -204,12 +246,21 @@ def run(cfg: ProducerConfig, stop: threading.Event | None = None) -> None:
                  cfg.backend, env.name, cfg.concurrency, generator.version)
         done = asyncio.run(Service(cfg, consumer, producer, player, metrics, sub, stop, score).run())
     finally:
-        producer.flush(30)
+        producer.flush(5)  # dead letters; undelivered trajectories are abandoned (their prompts redelivered)
         consumer.close()  # commits nothing new: offsets were committed as prompts were delivered; leaves the group
         if sub is not None:
             sub.close()
         metrics.close()
         log.info("producer %s stopped after %d prompts", cfg.producer_id, done)
+
+
+def _wait(event: threading.Event, stop: threading.Event, timeout: float) -> bool:
+    """`event.wait(timeout)` that a stop ends early (False then)."""
+    deadline = time.monotonic() + timeout
+    while not event.wait(0.2):
+        if stop.is_set() or time.monotonic() > deadline:
+            return False
+    return True
 
 
 class Service:
@@ -225,11 +276,10 @@ class Service:
         self.held: list = []  # messages polled while every slot was busy, taken first
         self.paused = False
         self.topics = {True: cfg.kafka.topic(T.TRAJECTORIES), False: cfg.kafka.topic(T.PENDING)}
+        self.reward_bounds = Bounds(plugin=f"--reward {cfg.reward}", timeout_s=cfg.env_step_timeout)
 
     async def run(self) -> int:
         """Returns the number of prompts taken."""
-        asyncio.get_running_loop().set_default_executor(
-            ThreadPoolExecutor(self.cfg.concurrency, thread_name_prefix="env-step"))  # env steps block
         self.consumer.subscribe([self.cfg.kafka.topic(T.PROMPTS)], on_revoke=self._on_revoke,
                                 on_lost=self._on_lost)
         taken = 0
@@ -242,10 +292,17 @@ class Service:
                 taken += 1
                 continue  # take the next one at once
             await self._idle()
-        while self.in_flight:  # stop: finish what is in flight, then commit it
+        # finish what is in flight and commit it; on a stop, for at most --drain-s: the rest is
+        # abandoned unpublished (its offsets uncommitted), and the group redelivers those prompts
+        drain_until = time.monotonic() + self.cfg.drain_s if self.stop.is_set() else math.inf
+        while self.in_flight and time.monotonic() < drain_until:
             self.producer.poll(0)
             await self._idle()
             self._reap()
+        if self.in_flight:
+            log.info("stopping: %d episodes abandoned, their prompts go to another producer", len(self.in_flight))
+            self._drop(set(self.in_flight.values()))
+            await asyncio.wait(self.in_flight, timeout=1.0)
         self.offsets.commit(list(self.offsets.positions))
         return taken
 
@@ -300,10 +357,11 @@ class Service:
         try:
             traj = await self.player.play(prompt)
             if self.score is not None:  # --reward: the outcome is the function's, not the env's
-                traj = await asyncio.to_thread(self.score, prompt.task, traj)
+                traj = await call(self.reward_bounds, "reward", self.score, prompt.task, traj)
             await deliver(self.producer, self.topics[traj.reward is not None], traj)
             self.metrics.episode(traj)
-        except (SchemaError, InvalidGeneration, RewardError) as e:  # cannot be played or scored: DLQ it
+        except ValueError as e:  # this prompt cannot be played, scored or published (SchemaError,
+            # PluginError, RewardError, InvalidGeneration, a request the engine refused): DLQ it
             dead_letter(self.producer, self.cfg.kafka, msg, e)
             self.producer.flush(30)  # the dead letter is durable before the offset moves
             self.metrics.error(type(e).__name__)

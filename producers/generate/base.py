@@ -13,15 +13,31 @@ is a plain call, made from the weights thread.
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
+# Bounds every backend can sample within and still return the log-probs of softmax(logits / T):
+# below MIN_TEMPERATURE, logits / T overflows float32 for ordinary logits (and vLLM switches to
+# greedy sampling, which has no such distribution); above MAX_TEMPERATURE it is uniform in all but name.
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-2, 100.0
+MAX_SEED = (1 << 63) - 1  # torch and vLLM seed with a signed 64-bit integer
+MAX_TOKENS = 1 << 20
+
+
+def _integer(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
 
 @dataclass(frozen=True, kw_only=True)
 class SamplingParams:
+    """What one generate call samples with; constructing one out of range raises ValueError naming
+    the field, so every boundary (the HTTP API, a producer's flags, a plug-in) refuses it alike."""
+
     temperature: float = 1.0
     """Sampling temperature T; the learner recomputes log-probs at the same T."""
     max_tokens: int = 64
@@ -34,6 +50,23 @@ class SamplingParams:
     """Generation ends after emitting any of these (it is kept in the output)."""
     seed: int | None = None
     """Per-call sampling seed, for reproducible tests."""
+
+    def __post_init__(self):
+        t = self.temperature
+        if not (isinstance(t, numbers.Real) and not isinstance(t, bool) and math.isfinite(t)
+                and MIN_TEMPERATURE <= t <= MAX_TEMPERATURE):
+            raise ValueError(f"temperature: must be a number in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}] "
+                             f"(log-probs need a distribution), got {t!r}")
+        if not (_integer(self.max_tokens) and 1 <= self.max_tokens <= MAX_TOKENS):
+            raise ValueError(f"max_tokens: must be an integer in [1, {MAX_TOKENS}], got {self.max_tokens!r}")
+        if not (isinstance(self.top_p, numbers.Real) and not isinstance(self.top_p, bool) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p!r}")
+        if not (_integer(self.top_k) and 0 <= self.top_k < 1 << 31):
+            raise ValueError(f"top_k: must be an integer >= 0 (0: off), got {self.top_k!r}")
+        if not all(_integer(t) and 0 <= t < 1 << 31 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids: must be token ids (integers >= 0)")
+        if self.seed is not None and not (_integer(self.seed) and 0 <= self.seed <= MAX_SEED):
+            raise ValueError(f"seed: must be an integer in [0, 2**63 - 1], got {self.seed!r}")
 
 
 @dataclass(kw_only=True)
@@ -61,10 +94,11 @@ class Generator(Protocol):
         """Swap in a safetensors file of the policy's full state dict, between decode steps."""
 
 
-def check_request(prompt_ids: Sequence[int], params: SamplingParams) -> None:
-    """ValueError for a request no backend can serve with exact log-probs."""
-    if params.temperature <= 0:
-        raise ValueError(f"temperature must be > 0 (got {params.temperature}): the log-prob "
-                         "contract needs a distribution")
-    if not prompt_ids:
-        raise ValueError("empty prompt")
+def check_request(prompt_ids: Sequence[int], vocab_size: int | None = None) -> None:
+    """ValueError for a prompt no backend can serve: empty, or ids that are not integers in
+    [0, vocab_size). Checked per request, before it joins a batch, so it fails alone."""
+    if not len(prompt_ids):
+        raise ValueError("prompt: empty")
+    if not all(_integer(t) and 0 <= t < (vocab_size or 1 << 31) for t in prompt_ids):
+        bad = next(t for t in prompt_ids if not (_integer(t) and 0 <= t < (vocab_size or 1 << 31)))
+        raise ValueError(f"prompt: token id {bad!r} is not in [0, {vocab_size or 1 << 31})")

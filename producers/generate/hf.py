@@ -81,6 +81,10 @@ class _Request:
             self.on_token(token)
         return token in self.params.stop_token_ids or len(self.tokens) >= self.params.max_tokens
 
+    def fail(self, error: BaseException) -> None:
+        if self.future.set_running_or_notify_cancel():
+            self.future.set_exception(error)
+
     def finish(self) -> None:
         if not self.future.set_running_or_notify_cancel():
             return  # its episode was cancelled (partition revoked, shutdown)
@@ -97,6 +101,9 @@ class HFGenerator:
     def __init__(self, model: torch.nn.Module, *, version: int = 0, seed: int = 0, max_batch: int = 64):
         self.model = model.eval()
         self.device = next(model.parameters()).device
+        # what a request's ids and length must fit (the producer bounds its env's results by them)
+        self.vocab_size = model.config.vocab_size
+        self.context = getattr(model.config, "max_position_embeddings", None)
         self.max_batch = max_batch
         self._version = version
         self._step_lock = threading.Lock()  # held for one engine step, or one weight swap
@@ -153,7 +160,7 @@ class HFGenerator:
                on_token: Callable[[int], None] | None = None) -> Future:
         """Queue a request for the running batch; the future resolves to its Generation.
         `on_token(id)` sees each token as it is sampled (streaming), from the engine thread."""
-        check_request(prompt_ids, params)
+        check_request(prompt_ids, self.vocab_size)  # a bad id fails here, not its batch
         rng = self._rng if params.seed is None else torch.Generator(self.device).manual_seed(params.seed)
         req = _Request([int(t) for t in prompt_ids], params, rng, Future(), on_token)
         with self._wake:
@@ -184,10 +191,9 @@ class HFGenerator:
                 try:
                     self._apply_pending()
                     self._step(joining)
-                except Exception as e:  # the requests fail, the engine lives on for the next ones
+                except Exception as e:  # a batched forward failed: its requests fail, the engine lives on
                     for req in [*joining, *self._rows]:
-                        if req.future.set_running_or_notify_cancel():
-                            req.future.set_exception(e)
+                        req.fail(e)
                     self._rows, self._kv = [], []
 
     def _step(self, joining: list[_Request]) -> None:
@@ -197,7 +203,7 @@ class HFGenerator:
             if not req.future.cancelled():
                 by_length.setdefault(len(req.prompt_ids), []).append(req)
         for group in by_length.values():
-            self._prefill(group)
+            self._prefill_apart(group)
         self._keep([r for r in self._rows if not r.future.cancelled()])
         if not self._rows:
             return
@@ -214,11 +220,24 @@ class HFGenerator:
         finished = []
         for i, req in enumerate(self._rows):
             req.cached += 1
-            if req.sample(logits[i], self._version):
+            if _sampled(req, logits[i], self._version):
                 finished.append(req)
         for req in finished:
-            req.finish()
+            if not req.future.done():
+                req.finish()
         self._keep([r for r in self._rows if r not in finished])
+
+    def _prefill_apart(self, group: list[_Request]) -> None:
+        """`_prefill`, and if the group's forward fails, each request alone: a request that
+        fails by itself fails alone, the others of its group go on."""
+        try:
+            self._prefill(group)
+        except Exception as e:
+            if len(group) == 1:
+                group[0].fail(ValueError(f"prefill failed for this request: {type(e).__name__}: {e}"))
+                return
+            for req in group:
+                self._prefill_apart([req])
 
     def _prefill(self, group: list[_Request]) -> None:
         """Run prompts of one length together (no padding: each row exactly as alone), sample their
@@ -228,10 +247,10 @@ class HFGenerator:
         going = []
         for i, req in enumerate(group):
             req.cached = len(req.prompt_ids)
-            if req.sample(out.logits[i, -1], self._version):
-                req.finish()
-            else:
+            if not _sampled(req, out.logits[i, -1], self._version):
                 going.append(i)
+            elif not req.future.done():
+                req.finish()
         if not going:
             return
         index = torch.tensor(going, device=self.device)
@@ -259,6 +278,16 @@ class HFGenerator:
         self._kv = [(k.index_select(0, index)[:, :, trim:], v.index_select(0, index)[:, :, trim:])
                     for k, v in self._kv]
         self._rows = rows
+
+
+def _sampled(req: _Request, logits: torch.Tensor, version: int) -> bool:
+    """`req.sample`, True (leave the batch) when finished or when sampling failed for this request
+    alone (non-finite logits of its row): that request fails, the rest of the batch does not."""
+    try:
+        return req.sample(logits, version)
+    except Exception as e:  # a ValueError: the request's own fault, not the engine's
+        req.fail(ValueError(f"sampling failed for this request: {type(e).__name__}: {e}"))
+        return True
 
 
 def _left_pad(x: torch.Tensor, width: int) -> torch.Tensor:

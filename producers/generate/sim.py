@@ -60,6 +60,7 @@ class SimGenerator:
 
     def __init__(self, cfg: SimConfig, *, seed: int = 0, version: int = 0):
         self.cfg = cfg
+        self.vocab_size, self.context = cfg.vocab_size, None  # what a request's ids must fit
         self._rng = np.random.default_rng(seed)
         self._swaps: list[tuple[float, int]] = [(-math.inf, version)]  # (monotonic time live, version)
         self._lock = threading.Lock()  # load_weights comes from the weights thread
@@ -80,7 +81,7 @@ class SimGenerator:
         return swaps[bisect.bisect_right(swaps, (t, math.inf)) - 1][1]
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
-        check_request(prompt_ids, params)
+        check_request(prompt_ids, self.vocab_size)
         rng = self._rng if params.seed is None else np.random.default_rng(params.seed)
         n = output_length(rng, self.cfg, params.max_tokens)
         logp = sim_logprobs(self.cfg.vocab_size, params.temperature, params.stop_token_ids)

@@ -120,3 +120,36 @@ def _answers(url: str) -> bool:
         return httpx.get(url, timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def hostile(prompt, completion, criterion):
+    """A judge plug-in that misbehaves on some completions."""
+    match completion:
+        case "exit":
+            raise SystemExit(2)
+        case "nan":
+            return float("nan")
+        case "hang":
+            time.sleep(3600)
+        case "word":
+            return "good"
+    return 0.75
+
+
+def test_a_judge_plug_in_that_fails_skips_that_trajectory_and_the_judge_scores_the_next(kafka_cfg):
+    stop, port = threading.Event(), free_port()
+    cfg = JudgeConfig(judge="tests.consumers.test_judge:hostile", judge_timeout=1.0, metrics_port=port,
+                      log_every_s=0, kafka=kafka_cfg)
+    judge = threading.Thread(target=run, args=(cfg, stop))
+    judge.start()
+    try:
+        ids = _texts(kafka_cfg, ["exit", "nan", "hang", "word", "fine", "fine too"])
+        assert _rewards(kafka_cfg, ids[4:]) == [(0.75, "uppercase"), (0.75, "uppercase")]  # after the four bad ones
+        assert not {r.trajectory_id for r in read_topic(kafka_cfg, T.REWARDS, 3, timeout=3)} & set(ids[:4])
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        assert 'sao_judge_skipped_total{reason="judge_error"} 4.0' in text
+        assert 'sao_judge_rewards_total{criterion="uppercase"} 2.0' in text and "sao_judge_seconds_count 2.0" in text
+    finally:
+        stop.set()
+        judge.join(30)
+    assert not judge.is_alive()

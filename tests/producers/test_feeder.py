@@ -198,3 +198,39 @@ def test_a_sigkilled_dataset_feed_restarts_where_it_was_and_repeats_nothing(kafk
     rows = load_rows(path, "toy-target", [])
     expected = [(r.id, epoch, s) for epoch in (0, 1) for r in rows for s in (0, 1)]
     assert _samples(got) == sorted(expected)  # 2 epochs x 10 rows x 2 samples, each exactly once
+
+
+def test_the_feeder_rides_out_its_broker_killed_and_restarted(tmp_path):
+    """SIGKILL of the only broker while the feeder waits on its backlog (reading watermarks and
+    the group's offsets every poll), then the broker back on the same data: the feeder carries on
+    by itself and publishes its whole count."""
+    from sao.broker import BrokerConfig, EmbeddedBroker, free_port
+    from schemas.kafka import KafkaConfig, ensure_topics
+
+    broker = EmbeddedBroker(BrokerConfig(data_dir=tmp_path / "kafka", port=free_port())).start()
+    kafka = KafkaConfig(bootstrap=broker.bootstrap, topic_prefix="fault")
+    ensure_topics(kafka)
+    result, errors = [], []
+
+    def feed():
+        try:
+            result.append(run(FeedConfig(env="toy-target", count=12, max_unfinished=6, poll_s=0.1, kafka=kafka)))
+        except BaseException as e:  # noqa: BLE001 - what a dying feeder raised, for the assertion
+            errors.append(e)
+
+    feeder = threading.Thread(target=feed)
+    feeder.start()
+    try:
+        backlog = Backlog(kafka, "sao-producers")
+        wait_until(lambda: backlog.count() == 6)
+        backlog.close()
+        broker.proc.kill()  # SIGKILL: no controlled shutdown
+        broker.proc.wait()
+        feeder.join(5)  # five seconds of polling a dead broker
+        assert feeder.is_alive() and not errors, errors
+        broker.start()
+        _finish(kafka, 12)  # the remaining six are published once the broker is back
+        feeder.join(60)
+        assert result == [12] and not errors, errors
+    finally:
+        broker.close()

@@ -190,3 +190,41 @@ def test_a_batched_weight_swap_lands_between_decode_steps_for_every_row(tmp_path
         v = out.versions.tolist()
         assert v == sorted(v) and v[0] == 0 and v[-1] == 1
     assert len({len(PROMPT) + s for s in switch}) <= 2  # rows joined at most a step apart
+
+
+def test_one_poisoned_request_fails_alone_and_the_rest_of_its_batch_completes():
+    """A request whose stream consumer raises mid-decode, and one whose prompt id is beyond the
+    vocabulary, fail by themselves; the requests batched with them sample on, their log-probs
+    those of a full forward."""
+    model = tiny_llama(seed=2)
+    gen = HFGenerator(model, seed=0)
+    params = SamplingParams(max_tokens=10, seed=5)
+    release = threading.Event()
+
+    def poisoned(token):  # the third token's callback raises, inside the engine's step
+        release.wait()
+        poisoned.n = getattr(poisoned, "n", 0) + 1
+        if poisoned.n == 3:
+            raise RuntimeError("the client's stream handler broke")
+
+    futures = [gen.submit(PROMPT, params, poisoned), *(gen.submit([2, 4, 6, 8][:k], params) for k in (2, 3, 4))]
+    with pytest.raises(ValueError, match=r"prompt: token id 64 is not in \[0, 64\)"):
+        gen.submit([1, 64], params)
+    release.set()
+    with pytest.raises(ValueError, match="sampling failed for this request: RuntimeError: the client's stream"):
+        futures[0].result(60)
+    for k, f in zip((2, 3, 4), futures[1:]):
+        out = f.result(60)
+        assert len(out.token_ids) == 10
+        ref = full_forward_logprobs(model, [2, 4, 6, 8][:k] + out.token_ids.tolist(), 10, 1.0)
+        torch.testing.assert_close(torch.from_numpy(out.logprobs), ref, atol=2e-5, rtol=1e-5)
+    assert len(gen.submit(PROMPT, params).result(60).token_ids) == 10  # the engine serves on
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("seed", 1 << 70, "seed: must be an integer in"), ("temperature", 1e-300, "temperature: must be a number in"),
+    ("temperature", float("nan"), "temperature"), ("top_p", 0.0, "top_p"), ("top_k", -1, "top_k"),
+    ("max_tokens", 0, "max_tokens")])
+def test_sampling_params_out_of_range_are_refused_naming_the_field(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**{field: value})

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 
 import httpx
 import numpy as np
@@ -80,19 +81,22 @@ def test_metrics_are_served_and_named():
         metrics.close()
 
 
-def test_sigterm_finishes_the_episode_in_flight_then_commits_and_exits(kafka_cfg):
+def test_sigterm_finishes_the_episode_in_flight_within_the_drain_then_commits_and_exits(kafka_cfg):
     prompts = make_prompts("toy-target", [{"target": 1}, {"target": 2}])
     publish_prompts(kafka_cfg, prompts)
-    proc = Proc(kafka_cfg, "term", "--env", "toy-target", "--model", "tiny-llama", "--max-tokens", "1000",
-                "--concurrency", "1")
+    # a 4 s episode (1000 tokens of 4 ms), signalled about a second in; --drain-s 20 lets it finish
+    proc = Proc(kafka_cfg, "term", "--env", "toy-target", "--backend", "sim", "--sim.median-tokens", "1000",
+                "--sim.sigma", "0", "--sim.token-s", "0.004", "--max-tokens", "1000", "--concurrency", "1",
+                "--drain-s", "20", "--no-follow-weights")
     try:
         wait_until(lambda: proc.started() or proc.p.poll() is not None, timeout=120)
+        time.sleep(1)
         assert proc.stop(signal.SIGTERM) == 0, "".join(proc.lines[-20:])
     finally:
         proc.p.kill()
     [in_flight] = proc.started()  # it took no second prompt after the signal
     [traj] = read_topic(kafka_cfg, T.TRAJECTORIES, 1)
-    assert traj.prompt_id == in_flight and len(traj.tokens) > 500  # finished, not cut short
+    assert traj.prompt_id == in_flight and len(traj.tokens) > 1000  # finished, not cut short
     backlog = Backlog(kafka_cfg, "sao-producers")
     assert backlog.count() == 1  # the finished prompt is committed, the other one is still waiting
     backlog.close()

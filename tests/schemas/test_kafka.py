@@ -113,3 +113,17 @@ def test_sao_kafka_variables_pass_through_to_librdkafka():
     assert cfg.bootstrap == "b:9092"
     client = KafkaConfig(bootstrap="b:9092", settings=passthrough_settings(env)).client()
     assert client["sasl.mechanism"] == "PLAIN" and client["bootstrap.servers"] == "b:9092"
+
+
+def test_one_rule_says_which_kafka_errors_are_worth_a_retry():
+    from confluent_kafka import KafkaError
+
+    from schemas.retry import transient
+    for code in (KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN, KafkaError._DESTROY_BROKER,
+                 KafkaError.NOT_COORDINATOR, KafkaError._WAIT_COORD, KafkaError._MSG_TIMED_OUT,
+                 KafkaError.REBALANCE_IN_PROGRESS, KafkaError.NOT_ENOUGH_REPLICAS):
+        assert transient(KafkaError(code)), code
+    for code in (KafkaError.TOPIC_AUTHORIZATION_FAILED, KafkaError.SASL_AUTHENTICATION_FAILED,
+                 KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.INVALID_CONFIG):
+        assert not transient(KafkaError(code)), code
+    assert not transient(KafkaError(KafkaError._TRANSPORT, fatal=True))
