@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from producers.generate.base import Generation, SamplingParams
+from schemas.http import RequestError  # the one refusal type of both HTTP servers; re-exported here
 
 _NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0}
 _UNSUPPORTED = ("logit_bias", "bad_words", "allowed_token_ids", "min_tokens", "stop", "echo",
@@ -36,14 +37,6 @@ _UNSUPPORTED = ("logit_bias", "bad_words", "allowed_token_ids", "min_tokens", "s
 ROLES = ("system", "user", "assistant", "tool")
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 _OPEN = "<tool_call>"
-
-
-class RequestError(ValueError):
-    """A request the server refuses; `status` is the HTTP answer."""
-
-    def __init__(self, message: str, status: int = 400):
-        super().__init__(message)
-        self.status = status
 
 
 def check_context(prompt_len: int, max_tokens: int, context: int) -> None:
@@ -123,7 +116,8 @@ def normalize(messages) -> list[dict]:
 
 
 def parse_sampling(body: dict, n_tokens, max_tokens: int) -> SamplingParams:
-    """The sampling fields both endpoints share; RequestError names the bad one."""
+    """The sampling fields both endpoints share; RequestError names the bad one. SamplingParams
+    checks the values; refused here is what it cannot express (n, penalties, other samplers)."""
     if body.get("n", 1) != 1:
         raise RequestError("n: only n=1 is served")
     for name, neutral in _NEUTRAL.items():
@@ -132,19 +126,18 @@ def parse_sampling(body: dict, n_tokens, max_tokens: int) -> SamplingParams:
     for name in _UNSUPPORTED:
         if body.get(name):
             raise RequestError(f"{name}: not supported")
-    temperature, top_p, top_k = body.get("temperature", 1.0), body.get("top_p", 1.0), body.get("top_k", -1)
-    stop = body.get("stop_token_ids") or []
-    if not isinstance(temperature, (int, float)) or not temperature > 0:
-        raise RequestError("temperature: must be > 0 (log-probs need a distribution)")
-    if not isinstance(n_tokens, int) or not 1 <= n_tokens <= max_tokens:
-        raise RequestError(f"max_tokens: must be an integer in [1, {max_tokens}]")
-    if not isinstance(top_k, int) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
-        raise RequestError("top_k/top_p: top_k an integer (-1 or 0: off), top_p in (0, 1]")
-    if not isinstance(stop, list) or not all(isinstance(t, int) for t in stop):
+    stop, top_k = body.get("stop_token_ids") or [], body.get("top_k", 0)
+    if not isinstance(stop, list):
         raise RequestError("stop_token_ids: expected a list of token ids")
-    seed = body.get("seed")
-    return SamplingParams(temperature=float(temperature), max_tokens=n_tokens, top_p=float(top_p),
-                          top_k=max(top_k, 0), stop_token_ids=tuple(stop), seed=seed if isinstance(seed, int) else None)
+    try:
+        params = SamplingParams(temperature=body.get("temperature", 1.0), max_tokens=n_tokens,
+                                top_p=body.get("top_p", 1.0), top_k=0 if top_k == -1 else top_k,  # -1: vLLM's off
+                                stop_token_ids=tuple(stop), seed=body.get("seed"))
+    except ValueError as e:  # its message starts with the field's name
+        raise RequestError(str(e)) from None
+    if params.max_tokens > max_tokens:
+        raise RequestError(f"max_tokens: must be at most {max_tokens} (the server's --max-tokens)")
+    return params
 
 
 def parse_request(body: dict, max_tokens: int = 4096) -> tuple[list[int], SamplingParams]:

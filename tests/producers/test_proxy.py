@@ -292,9 +292,10 @@ def test_prompts_beyond_the_context_window_get_400_before_any_work(proxy):
         ]
     finally:
         hook.remove()
-    deep = httpx.post(f"{proxy.url}/v1/chat/completions", headers=proxy.headers, content=b"[" * 100_000)
-    assert deep.status_code == 400 and "not valid JSON" in deep.json()["error"]["message"]
-    assert [r.status_code for r in over] == [400] * 4
+    deep = httpx.post(f"{proxy.url}/v1/chat/completions", headers={**proxy.headers, "Content-Type": "application/json"},
+                      content=b"[" * 100_000)
+    assert deep.status_code == 400 and "nested deeper" in deep.json()["error"]["message"]
+    assert [r.status_code for r in over] == [400, 400, 400, 413]
     assert all("context window" in r.json()["error"]["message"] for r in over)
     assert not forwards
     assert httpx.get(f"{proxy.url}/health").status_code == 200
