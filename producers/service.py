@@ -33,6 +33,7 @@ and a log line every `--log-every-s`.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import os
@@ -40,6 +41,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
@@ -51,6 +53,7 @@ from producers.envs.chat import Chat
 from producers.episode import Player
 from producers.generate.base import Generator, SamplingParams
 from producers.generate.sim import SimConfig
+from producers.generate.vllm import VLLMConfig
 from producers.metrics import ProducerMetrics
 from producers.offsets import OffsetCommitter
 from producers.rewards import scorer
@@ -70,9 +73,11 @@ log = logging.getLogger(__name__)
 
 @dataclass(kw_only=True)
 class ProducerConfig:
-    backend: Literal["hf", "vllm", "http", "sim"] = "hf"
-    """Generator: transformers in-process, vLLM in-process, a completions server (`sao serve`), or
-    simulated rollouts without a model (load and systems tests; see --sim.*)."""
+    backend: Literal["hf", "vllm", "http", "sim", "auto"] = "hf"
+    """Generator: transformers in-process, vLLM in-process, a completions server (`sao serve`),
+    simulated rollouts without a model (load and systems tests; see --sim.*), or auto: vllm where
+    this machine and the model allow it (vLLM's CPU build needs x86-64 with AVX2 or AVX-512 and
+    attention heads of a size its kernels serve), else hf; the start-up log says which."""
     concurrency: int = 8
     """Episodes in flight at once; the generator batches their requests."""
     env: str = "toy-target"
@@ -98,6 +103,10 @@ class ProducerConfig:
     """Completions server of the http backend."""
     serve_token: str = ""
     """Bearer token of that server (its `--serve-token`; both read `SAO_SERVE_TOKEN`)."""
+    server_swaps: bool = False
+    """http backend: load each new weights version into the server (a `vllm serve` started with
+    VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls producers.generate.vllm.WorkerExtension,
+    reading the same weights volume); off: the server follows sao.weights itself (`sao serve`)."""
     producer_id: str = ""
     """Id written into every trajectory; default host-pid."""
     group: str = "sao-producers"
@@ -118,6 +127,7 @@ class ProducerConfig:
     """Seconds between metric log lines."""
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     sim: SimConfig = field(default_factory=SimConfig)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
     kafka: KafkaConfig = field(default_factory=KafkaConfig)
 
     def __post_init__(self):
@@ -126,30 +136,59 @@ class ProducerConfig:
             raise ConfigError(f"--concurrency {self.concurrency}: must be >= 1")
         if not self.env_step_timeout > 0 or self.drain_s < 0:
             raise ConfigError("--env-step-timeout must be > 0 and --drain-s >= 0")
-        if self.backend == "hf":  # the other backends name a model their server or engine knows
+        if self.backend in ("hf", "vllm", "auto"):  # the other backends name a model their server knows
             check_model(self.model, from_learner=True)
-        if self.model == FROM_LEARNER and not (self.backend == "hf" and self.follow_weights):
-            raise ConfigError("--model learner: needs --backend hf and --follow-weights (it loads the learner's weights)")
+        if self.model == FROM_LEARNER and not (self.backend in ("hf", "vllm", "auto") and self.follow_weights):
+            raise ConfigError("--model learner: needs --backend hf or vllm and --follow-weights (it loads the "
+                              "learner's weights)")
         if not self.producer_id:
             self.producer_id = f"{socket.gethostname()}-{os.getpid()}"
 
 
-def make_generator(cfg: ProducerConfig) -> Generator:
-    match cfg.backend:
+def make_generator(cfg: ProducerConfig, backend: str | None = None) -> Generator:
+    """The generator of `backend` (default: `--backend`, which must not be auto then)."""
+    match backend or cfg.backend:
         case "hf":
             from producers.generate.hf import HFGenerator
             from producers.models import load_model
             return HFGenerator(load_model(cfg.model, seed=cfg.seed, device=cfg.device), seed=cfg.seed)
         case "http":
             from producers.generate.http import HttpGenerator
-            return HttpGenerator(cfg.url, model=cfg.model, token=cfg.serve_token)
+            return HttpGenerator(cfg.url, model=cfg.model, token=cfg.serve_token, swaps=cfg.server_swaps)
         case "vllm":
             from producers.generate.vllm import VLLMGenerator
-            return VLLMGenerator(cfg.model, seed=cfg.seed)
+            from producers.models import engine_folder
+            return VLLMGenerator(engine_folder(cfg.model, seed=cfg.seed), seed=cfg.seed, cfg=cfg.vllm)
         case "sim":
             from producers.generate.sim import SimGenerator
             return SimGenerator(cfg.sim, seed=cfg.seed)
-    raise ValueError(f"--backend {cfg.backend!r}")
+    raise ValueError(f"--backend {backend or cfg.backend!r}")
+
+
+def learner_generator(cfg: ProducerConfig, backend: str, store) -> tuple[Generator, str]:
+    """A generator of the learner's published architecture (random weights, version -1, until the
+    weights subscription loads the learner's), and the learner's model name (for the tokenizer)."""
+    from producers.models import learner_model_name
+
+    if backend == "vllm":
+        from producers.generate.vllm import VLLMGenerator
+        return VLLMGenerator(store, load=False, version=-1, seed=cfg.seed, cfg=cfg.vllm), learner_model_name(store)
+    from producers.generate.hf import HFGenerator
+    from producers.models import load_learner_model
+    policy, model = load_learner_model(store, device=cfg.device)
+    return HFGenerator(policy, version=-1, seed=cfg.seed), model
+
+
+def choose_backend(cfg: ProducerConfig, folder) -> str:
+    """`--backend`, with auto resolved for the model in transformers folder `folder`: vllm where
+    this machine and the model allow it, else hf, saying why."""
+    if cfg.backend != "auto":
+        return cfg.backend
+    from producers.generate.vllm import refusal
+
+    why = refusal(json.loads((Path(folder) / "config.json").read_text()))
+    log.info("--backend auto: %s", f"hf ({why})" if why else "vllm")
+    return "hf" if why else "vllm"
 
 
 def make_parts(cfg: ProducerConfig, tokenizer) -> tuple:
@@ -214,24 +253,28 @@ def run(cfg: ProducerConfig, stop: threading.Event | None = None) -> None:
     from schemas.tokenizers import load_tokenizer  # transformers only once we run
 
     stop = stop_on_signals(stop)
-    generator, model = None, cfg.model
+    generator, model, backend = None, cfg.model, cfg.backend
     if cfg.model == FROM_LEARNER:  # the architecture and tokenizer are the learner's: wait for them
-        from producers.generate.hf import HFGenerator
-        from producers.models import load_learner_model
-
         ensure_topics(cfg.kafka)
         if (store := learner_store(cfg.kafka, stop)) is None:
             return
-        policy, model = load_learner_model(store, device=cfg.device)
-        generator = HFGenerator(policy, version=-1, seed=cfg.seed)  # no version until the learner's loads
+        backend = choose_backend(cfg, store)
+        generator, model = learner_generator(cfg, backend, store)  # no version until the learner's loads
         log.info("--model learner: %s's architecture from %s", model, store)
     env, params, score = make_parts(cfg, load_tokenizer(model))  # a misconfiguration fails before Kafka is asked
     ensure_topics(cfg.kafka)
-    generator = generator or make_generator(cfg)
+    if generator is None:
+        if cfg.backend == "auto":
+            from producers.models import engine_folder
+            backend = choose_backend(cfg, engine_folder(cfg.model, seed=cfg.seed))
+        else:
+            backend = cfg.backend
+        generator = make_generator(cfg, backend)
     player = Player(env=env, generator=generator, params=params, producer_id=cfg.producer_id,
-                    tool_s=cfg.sim.tool_s if cfg.backend == "sim" else 0.0, bounds=env_bounds(cfg, generator))
+                    tool_s=cfg.sim.tool_s if backend == "sim" else 0.0, bounds=env_bounds(cfg, generator))
     metrics = ProducerMetrics(cfg.producer_id, cfg.metrics_port, cfg.log_every_s)
-    sub = WeightSubscriber(cfg.kafka, generator, verify_files=cfg.backend in ("hf", "vllm")) if cfg.follow_weights else None
+    holds_weights = backend in ("hf", "vllm") or cfg.server_swaps  # reads the files: verify them first
+    sub = WeightSubscriber(cfg.kafka, generator, verify_files=holds_weights) if cfg.follow_weights else None
     producer = make_producer(cfg.kafka)
     consumer = make_consumer(cfg.kafka, cfg.group, **{"partition.assignment.strategy": "cooperative-sticky"})
     done = 0
@@ -243,13 +286,15 @@ def run(cfg: ProducerConfig, stop: threading.Event | None = None) -> None:
         if generator.version < 0:
             raise ConfigError("--model learner: none of the learner's announced weights loaded (see the log)")
         log.info("producer %s: %s backend, env %s, %d episodes in flight, weights v%d", cfg.producer_id,
-                 cfg.backend, env.name, cfg.concurrency, generator.version)
+                 backend, env.name, cfg.concurrency, generator.version)
         done = asyncio.run(Service(cfg, consumer, producer, player, metrics, sub, stop, score).run())
     finally:
         producer.flush(5)  # dead letters; undelivered trajectories are abandoned (their prompts redelivered)
         consumer.close()  # commits nothing new: offsets were committed as prompts were delivered; leaves the group
         if sub is not None:
             sub.close()
+        if hasattr(generator, "close"):  # an engine's threads and processes (vLLM's) end with the producer
+            generator.close()
         metrics.close()
         log.info("producer %s stopped after %d prompts", cfg.producer_id, done)
 

@@ -18,6 +18,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from sao import report
 from sao.broker import BrokerConfig, cluster, embedded_unless_named, free_port
@@ -50,6 +51,9 @@ class UpConfig:
     """Extra `sao learner` flags, space separated."""
     producer_flags: str = "--concurrency 8"
     """Extra `sao producer` flags, space separated."""
+    producer_backend: Literal["auto", "hf", "vllm"] = "auto"
+    """Generation backend of the producers (`sao producer --backend`); auto: vllm where this machine
+    and the model allow it (vLLM's CPU build on x86-64 with AVX2/AVX-512, or a GPU), hf otherwise."""
     judge: str = ""
     """A style for `sao judge` to reward (uppercase, concise, exclaim, ...): starts the judge and the
     reward joiner, for environments without a reward of their own (`writing`). Empty: none."""
@@ -76,7 +80,7 @@ def commands(cfg: UpConfig, ports: dict[str, int]) -> dict[str, list[str]]:
                             *cfg.learner_flags.split(), *kafka)}
     for name, port in ports.items():
         # `--model learner`: the producers build the learner's published architecture and load its weights
-        cmds[name] = _sao("producer", "--env", cfg.env, "--model", "learner", "--producer-id", name,
+        cmds[name] = _sao("producer", "--backend", cfg.producer_backend, "--env", cfg.env, "--model", "learner", "--producer-id", name,
                           "--max-tokens", str(cfg.max_tokens), "--metrics-port", str(port), "--log-every-s", "10",
                           *cfg.producer_flags.split(), *kafka)
     if cfg.judge:  # live rewards: pending trajectories -> judge -> sao.rewards -> joiner -> learner
@@ -118,6 +122,11 @@ def run_up(cfg: UpConfig) -> None:
     ensure_topics(cfg.kafka)
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     ports = {f"producer-{i}": free_port() for i in range(cfg.producers)}
+    if cfg.producer_backend == "auto":
+        from producers.generate.vllm import unsupported_here
+        why = unsupported_here()
+        print(f"producers: hf backend ({why})" if why else "producers: vllm backend where the learner's model "
+              "fits vLLM's kernels, else hf (each producer's log says which)", flush=True)
     # one thread per process unless told otherwise: N processes each taking every core thrash
     env = {"OMP_NUM_THREADS": "1", **os.environ, "SAO_LOG_LEVEL": os.environ.get("SAO_LOG_LEVEL", "INFO"),
            "PYTHONUNBUFFERED": "1"}

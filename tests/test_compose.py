@@ -1,6 +1,7 @@
 """docker-compose.yml: every profile and override validates, the Dockerfiles lint clean, and the CPU
 topology really runs on a Docker engine (started here if none runs): Kafka, topics, learner, three
-producers and the feeder; a producer SIGKILLed mid-run loses no prompt; `down -v` leaves nothing.
+hf producers, a vLLM producer on CPU and the feeder; a producer SIGKILLed mid-run loses no prompt;
+`down -v` leaves nothing.
 
 `SAO_SKIP_COMPOSE=1` skips the run where no engine can be had; without it, no engine is a failure.
 """
@@ -25,7 +26,7 @@ from sao.broker import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE, PORTS, HOST, GPU = (str(ROOT / f"docker-compose{x}.yml") for x in ("", ".override", ".host", ".gpu"))
-PROFILES = ("agent", "rewards", "gpu", "monitoring")
+PROFILES = ("agent", "rewards", "vllm", "gpu", "monitoring")
 IMAGE = os.environ.get("SAO_IMAGE", "sao-stream:latest")
 
 
@@ -115,7 +116,7 @@ def _read_topic(bootstrap: str, topic: str) -> list:
 
 def _producer_versions(project: list[str]) -> dict[str, int]:
     """Each producer's latest reported weight version, from its periodic log line."""
-    logs = _compose(*project, "logs", "--no-color", "producer").stdout
+    logs = _compose(*project, "logs", "--no-color", "producer", "producer-vllm").stdout
     seen = {}
     for pid, v in re.findall(r"producer (\S+): .*? weights v(-?\d+)", logs):
         seen[pid] = int(v)
@@ -142,9 +143,10 @@ def test_cpu_topology_trains_survives_a_producer_sigkill_and_leaves_nothing(engi
     name = f"saotest{uuid.uuid4().hex[:8]}"
     port = free_port()
     env = {"SAO_IMAGE": IMAGE, "SAO_KAFKA_PORT": str(port), "SAO_FEED_COUNT": "160", "SAO_MAX_UNFINISHED": "48",
+           "SAO_TINY_HIDDEN_SIZE": "128", "SAO_VLLM_CONCURRENCY": "8",
            "SAO_BATCH_TRAJECTORIES": "8", "SAO_MAX_TOKENS": "8", "SAO_LOG_EVERY_S": "2",
            "SAO_LR_POLICY": "3e-3", "SAO_LR_CRITIC": "3e-3", "SAO_LEARNER_THREADS": "1", "SAO_LOG_LEVEL": "INFO"}
-    project = ["-p", name, "-f", BASE, "-f", HOST]
+    project = ["-p", name, "-f", BASE, "-f", HOST, "--profile", "vllm"]
     bootstrap = f"127.0.0.1:{port}"
     run = lambda *a, **k: _compose(*project, *a, env=env, **k)  # noqa: E731
     try:
@@ -155,8 +157,8 @@ def test_cpu_topology_trains_survives_a_producer_sigkill_and_leaves_nothing(engi
         def versions_reported():
             weights = [m.version for m in _read_topic(bootstrap, "sao.weights")]
             reported = _producer_versions(project)
-            return max(weights, default=-1) >= 3 and len(reported) == 3 and min(reported.values()) >= 3
-        _wait("weights v3 published and reported by 3 producers", versions_reported, 600, project)
+            return max(weights, default=-1) >= 3 and len(reported) == 4 and min(reported.values()) >= 3
+        _wait("weights v3 published and reported by 3 hf producers and the vLLM one", versions_reported, 900, project)
 
         victim = ps[0]
         pid = int(subprocess.run(["docker", "inspect", "-f", "{{.State.Pid}}", victim], capture_output=True,
@@ -173,6 +175,8 @@ def test_cpu_topology_trains_survives_a_producer_sigkill_and_leaves_nothing(engi
         trained_ids = [i for line in metrics for i in json.loads(line)["trajectory_ids"]]
         assert len(trained_ids) == len(set(trained_ids)), "a trajectory trained twice"
         trained = {i.rpartition("#")[0] for i in trained_ids}
+        by_vllm = [t for t in _read_topic(bootstrap, "sao.trajectories") if t.producer_id == "vllm-cpu"]
+        assert by_vllm and max(t.versions.max() for t in by_vllm) >= 3, "the vLLM producer played no prompt on v3+"
         dead = _dead_prompts(bootstrap)
         in_flight = produced - trained
         assert trained <= produced

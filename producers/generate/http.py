@@ -55,25 +55,45 @@ def request_body(prompt_ids: Sequence[int], params: SamplingParams, model: str) 
     return body
 
 
+DEFAULT_LABEL = "default"
+"""vLLM's weight-version label until one is set: the weights it started on, version 0 (the
+learner's initial checkpoint), since it was started on that checkpoint or has not been updated."""
+
+
 def as_version(v) -> int:
-    """An int version from an int, "8" or "v8"."""
+    """An int version from an int, "8", "v8", or vLLM's "default" (0)."""
     if isinstance(v, int) and not isinstance(v, bool):
         return v
+    if v == DEFAULT_LABEL:
+        return 0
     m = re.fullmatch(r"\D*(\d+)", str(v))
     if m is None:
         raise InvalidGeneration(f"weight version {v!r} is not a number")
     return int(m.group(1))
 
 
+def _span(s) -> tuple[int, int, object] | None:
+    """(start, end, version) of a span: a JSON map, or vLLM's in-process `WeightVersionSpan`."""
+    if isinstance(s, dict):
+        return int(s["start"]), int(s["end"]), s["version"]
+    if hasattr(s, "start") and hasattr(s, "end"):
+        return int(s.start), int(s.end), s.version
+    return None
+
+
 def versions_from(spec, n: int) -> np.ndarray | None:
     """(n,) int32 versions from a `weight_versions` field (spans or per-token), or None."""
     if spec is None:
         return None
-    if len(spec) == n and all(not isinstance(s, dict) for s in spec):
+    spans = [_span(s) for s in spec]
+    if len(spec) == n and all(s is None for s in spans):
         return np.array([as_version(v) for v in spec], dtype=np.int32)
     out = np.full(n, -1, dtype=np.int32)
-    for span in spec:
-        out[int(span["start"]):int(span["end"])] = as_version(span["version"])
+    for span in spans:
+        if span is None:
+            raise InvalidGeneration(f"weight_versions {spec!r:.80} mix spans and per-token versions")
+        start, end, version = span
+        out[start:end] = as_version(version)
     if (out < 0).any():
         raise InvalidGeneration(f"weight_versions {spec!r} do not cover all {n} tokens")
     return out
@@ -102,11 +122,26 @@ def parse_choice(choice: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray | Non
     return (np.array(tokens, dtype=np.int32), np.array(logprobs, dtype=np.float32), versions, finish)
 
 
+def swap_server(base_url: str, headers: dict, path: str, version: int) -> float:
+    """The in-place swap of producers/generate/vllm.py `swap`, over vLLM's dev-mode HTTP endpoints
+    (VLLM_SERVER_DEV_MODE=1); returns the seconds the server was paused. Resumed whatever failed."""
+    with httpx.Client(base_url=base_url, headers=headers, timeout=300) as c:
+        t0 = time.perf_counter()
+        c.post("/pause", params={"mode": "keep", "clear_cache": "true"}).raise_for_status()
+        try:
+            c.post("/collective_rpc", json={"method": "reload_file", "args": [path]}).raise_for_status()
+            c.post("/reset_prefix_cache", params={"reset_running_requests": "true"}).raise_for_status()
+            c.post("/update_weight_version", json={"new_version": str(version)}).raise_for_status()
+        finally:
+            c.post("/resume").raise_for_status()
+        return time.perf_counter() - t0
+
+
 class HttpGenerator:
     """Implements producers.generate.base.Generator against a completions server."""
 
     def __init__(self, base_url: str, *, model: str = "default", timeout_s: float = 600.0,
-                 retries: int = 30, max_connections: int = 256, token: str = ""):
+                 retries: int = 30, max_connections: int = 256, token: str = "", swaps: bool = False):
         self.base_url = base_url.rstrip("/")
         self.model = model
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -117,6 +152,8 @@ class HttpGenerator:
         self._announced = 0
         self._seen = 0
         self._weight_info = True  # until the server says it has no such endpoint
+        self.swaps = swaps
+        self.last_pause_s = float("nan")
 
     @property
     def client(self) -> httpx.AsyncClient:
@@ -133,8 +170,19 @@ class HttpGenerator:
         return max(self._announced, self._seen)
 
     def load_weights(self, path: str, version: int) -> None:
-        """The server loads weights itself; remember the announced version as the fallback tag."""
+        """Without `swaps` the server loads weights itself: remember the announced version as the
+        fallback tag. With `swaps`, load the file into a `vllm serve` (its dev-mode endpoints, and
+        producers.generate.vllm.WorkerExtension as its worker extension) in place: pause keeping
+        the requests in flight, reload on every worker, re-prefill, label the version, resume; a
+        server already on `version` or newer is left alone (several producers may follow one)."""
+        if self.swaps and self._server_label() < version:
+            self.last_pause_s = swap_server(self.base_url, self._headers, path, version)
         self._announced = max(self._announced, version)
+
+    def _server_label(self) -> int:
+        r = httpx.get(f"{self.base_url}/weight_info", headers=self._headers, timeout=30)
+        r.raise_for_status()
+        return as_version(r.json().get("weight_version", DEFAULT_LABEL))
 
     async def _post(self, body: dict) -> dict:
         """POST with bounded backoff on transport errors, 429 and 5xx; another 4xx raises InvalidGeneration

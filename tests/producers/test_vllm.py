@@ -1,5 +1,9 @@
-"""The vllm backend's pure parts. vLLM cannot run here; its own output objects and its engine are
-stood in by SimpleNamespace objects and a call-recording engine with vLLM's method names."""
+"""The vllm backend on real vLLM (vLLM 0.32's CPU build here): log-probs equal a float32 forward of
+the same weights, before and after an in-place weight swap (the tied-head re-pack included), a
+swap in the middle of a request splits its tokens between the two versions exactly, 16 requests in
+flight, a poisoned request fails alone, and a file of another architecture is refused with the old
+weights kept. The end-to-end runs (a producer through Kafka into the learner, a SIGKILLed
+producer, the http backend against `vllm serve`) are in test_vllm_pipeline.py."""
 
 from __future__ import annotations
 
@@ -8,106 +12,145 @@ from types import SimpleNamespace as NS
 
 import numpy as np
 import pytest
+import torch
+from safetensors.torch import save_file
 
-from producers.generate.base import SamplingParams
-from producers.generate.http import InvalidGeneration
-from producers.generate.vllm import extract, sampling_kwargs, swap, versions_from_marks
+from producers.generate.base import ArchitectureMismatch, SamplingParams
+from producers.generate.http import InvalidGeneration, versions_from
+from producers.generate.vllm import VLLMGenerator, extract, mismatch, sampling_kwargs
+from producers.models import TINY_LLAMA, tiny_llama
+
+# head size 32: the smallest vLLM's CPU attention kernels serve; tied embeddings, like SmolLM2
+TIED = {**TINY_LLAMA, "hidden_size": 128}
+PROMPTS = [[1, 2, 3], [4, 5], [7, 8, 9, 10]]
 
 
-def request_output(tokens, logprobs, finish="stop", **extra):
-    """vllm.outputs.RequestOutput with one CompletionOutput and logprobs=0 (sampled token only)."""
-    lps = [{t: NS(logprob=x, rank=1, decoded_token=None)} for t, x in zip(tokens, logprobs)]
-    return NS(request_id="r", prompt_token_ids=[1, 2], finished=True,
-              outputs=[NS(token_ids=tokens, logprobs=lps, cumulative_logprob=sum(logprobs),
-                          finish_reason=finish, stop_reason=None, **extra)])
+def tied_model(seed: int = 0):
+    model = tiny_llama(**TIED, seed=seed)
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    return model
 
 
-def test_sampling_kwargs_ask_for_the_untruncated_tempered_distribution():
+def perturbed(state: dict, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    out = {k: (v + 0.5 * v.std() * torch.randn(v.shape, generator=g)).contiguous() for k, v in state.items()}
+    out["lm_head.weight"] = out["model.embed_tokens.weight"]  # still tied
+    return out
+
+
+def forward_logprobs(state: dict, prompt: list[int], tokens: list[int], temperature: float = 1.0) -> torch.Tensor:
+    """log_softmax(logits / T) of each sampled token under `state`, from one float32 transformers forward."""
+    model = tied_model()
+    model.load_state_dict(state)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0].float()
+    steps = torch.log_softmax(logits[len(prompt) - 1:-1] / temperature, -1)
+    return steps.gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    """One engine for the module (start-up ~25 s), on the tied tiny model's folder."""
+    root = tmp_path_factory.mktemp("vllm")
+    model = tied_model()
+    model.save_pretrained(root / "model")
+    states = {0: model.state_dict(), 1: perturbed(model.state_dict(), 1), 2: perturbed(model.state_dict(), 2)}
+    files = {}
+    for v in (1, 2):
+        files[v] = root / f"v{v}.safetensors"
+        save_file({k: t.clone() for k, t in states[v].items()}, str(files[v]))
+    gen = VLLMGenerator(root / "model", seed=0)
+    yield NS(gen=gen, states=states, files=files, root=root)
+    gen.close()
+
+
+def generate(gen, prompt, **params):
+    return asyncio.run(gen.generate(prompt, SamplingParams(**{"max_tokens": 16, "seed": 1, **params})))
+
+
+def gap(out, state, prompt, temperature: float = 1.0) -> float:
+    ref = forward_logprobs(state, prompt, out.token_ids.tolist(), temperature)
+    return float((ref - torch.from_numpy(out.logprobs)).abs().max())
+
+
+def test_log_probs_equal_a_float32_forward_and_swaps_keep_them_exact_with_a_tied_head(engine):
+    gen = engine.gen
+    assert gen.version == 0
+    out = generate(gen, PROMPTS[0], temperature=0.7)  # the log-probs are of softmax(logits / T)
+    assert out.versions.tolist() == [0] * 16 and gap(out, engine.states[0], PROMPTS[0], 0.7) < 1e-4
+    gen.load_weights(str(engine.files[1]), 1)
+    after = generate(gen, PROMPTS[0])
+    assert after.versions.tolist() == [1] * 16
+    # the tied output head was re-packed: a stale head would be off by far more than this
+    assert gap(after, engine.states[1], PROMPTS[0]) < 1e-4
+    assert gap(after, engine.states[0], PROMPTS[0]) > 1e-2
+    assert gen.last_pause_s < 5
+
+
+def test_a_swap_in_the_middle_of_a_request_splits_its_tokens_between_the_versions(engine):
+    gen = engine.gen
+    start = gen.version
+    params = SamplingParams(max_tokens=240, seed=3)
+
+    async def run():
+        request = asyncio.ensure_future(gen.generate(PROMPTS[1], params))
+        await asyncio.sleep(0.5)  # some tokens sampled
+        await asyncio.to_thread(gen.load_weights, str(engine.files[2]), start + 1)
+        return await request
+
+    out = asyncio.run(run())
+    v = out.versions.tolist()
+    cut = v.index(start + 1)
+    assert 0 < cut < len(v) and v == [start] * cut + [start + 1] * (len(v) - cut)
+    tokens = out.token_ids.tolist()
+    before = forward_logprobs(engine.states[1], PROMPTS[1], tokens[:cut])
+    torch.testing.assert_close(torch.from_numpy(out.logprobs[:cut]), before, atol=1e-4, rtol=0)
+    # after the swap the frozen request was re-prefilled: its later tokens are the new weights'
+    after = forward_logprobs(engine.states[2], PROMPTS[1], tokens)[cut:]
+    torch.testing.assert_close(torch.from_numpy(out.logprobs[cut:]), after, atol=1e-4, rtol=0)
+
+
+def test_sixteen_requests_in_flight_sample_apart_and_a_poisoned_one_fails_alone(engine):
+    gen = engine.gen
+
+    async def run():
+        good = [gen.generate(PROMPTS[i % 3], SamplingParams(max_tokens=12, seed=i)) for i in range(16)]
+        bad = [gen.generate([1, 999], SamplingParams(max_tokens=4)),  # beyond the vocabulary
+               gen.generate([1] * 300, SamplingParams(max_tokens=20))]  # longer than the engine's context
+        return await asyncio.gather(*good, *bad, return_exceptions=True)
+
+    *good, beyond, too_long = asyncio.run(run())
+    assert isinstance(beyond, ValueError) and "token id 999" in str(beyond)
+    assert isinstance(too_long, InvalidGeneration), too_long
+    assert all(len(g.token_ids) == 12 and np.isfinite(g.logprobs).all() for g in good)
+    assert len({tuple(g.token_ids.tolist()) for g in good}) == 16  # per-request seeds
+    assert len(generate(gen, PROMPTS[2]).token_ids) == 16  # the engine serves on
+
+
+def test_a_file_of_another_architecture_is_refused_and_the_old_weights_serve_on(engine):
+    gen, version = engine.gen, engine.gen.version
+    before = generate(gen, PROMPTS[0])
+    other = tiny_llama(**{**TIED, "num_layers": 3}, seed=0)
+    save_file({k: t.contiguous().clone() for k, t in other.state_dict().items()}, str(engine.root / "other.safetensors"))
+    with pytest.raises(ArchitectureMismatch):
+        gen.load_weights(str(engine.root / "other.safetensors"), version + 1)
+    with pytest.raises(ValueError, match="older"):
+        gen.load_weights(str(engine.files[1]), version - 1)
+    again = generate(gen, PROMPTS[0])
+    assert gen.version == version and again.token_ids.tolist() == before.token_ids.tolist()
+    np.testing.assert_allclose(again.logprobs, before.logprobs, atol=1e-6)
+
+
+def test_pure_parts_sampling_kwargs_spans_and_extraction():
     kw = sampling_kwargs(SamplingParams(temperature=0.6, max_tokens=7, stop_token_ids=(2,), seed=1))
-    assert kw["temperature"] == 0.6 and kw["max_tokens"] == 7 and kw["stop_token_ids"] == [2]
-    assert (kw["top_p"], kw["top_k"], kw["min_p"]) == (1.0, -1, 0.0)
-    assert (kw["presence_penalty"], kw["frequency_penalty"], kw["repetition_penalty"]) == (0.0, 0.0, 1.0)
-    assert kw["logprobs"] == 0 and kw["seed"] == 1
-    assert "seed" not in sampling_kwargs(SamplingParams())
-
-
-def test_extract_reads_the_sampled_tokens_logprob():
-    tokens, logprobs, native, finish = extract(request_output([5, 9], [-0.5, -2.0]))
-    assert tokens.tolist() == [5, 9] and np.allclose(logprobs, [-0.5, -2.0])
-    assert native is None and finish == "stop"
-    spans = [{"version": "3", "start": 0, "end": 2}]
-    assert extract(request_output([5, 9], [-0.5, -2.0], weight_versions=spans))[2] == spans
-
-
-@pytest.mark.parametrize("out", [
-    request_output([5, 9], [-0.5, float("-inf")]),
-    request_output([5, 9], [-0.5, float("nan")]),
-    request_output([5], [-0.5], finish="abort"),
-    NS(outputs=[NS(token_ids=[5], logprobs=None, finish_reason="stop")]),
-])
-def test_extract_rejects_what_a_trajectory_cannot_carry(out):
+    assert (kw["top_p"], kw["top_k"], kw["min_p"], kw["logprobs"], kw["seed"]) == (1.0, -1, 0.0, 0, 1)
+    spans = [NS(version="3", start=0, end=2), NS(version="default", start=2, end=3)]  # vLLM's WeightVersionSpan
+    assert versions_from(spans, 3).tolist() == [3, 3, 0]
+    out = NS(outputs=[NS(token_ids=[5], logprobs=[{5: NS(logprob=float("nan"))}], finish_reason="stop",
+                         weight_versions=spans)])
     with pytest.raises(InvalidGeneration):
         extract(out)
-
-
-def test_versions_from_marks():
-    assert versions_from_marks(5, 2, []).tolist() == [2] * 5
-    assert versions_from_marks(6, 2, [(2, 3), (4, 5)]).tolist() == [2, 2, 3, 3, 5, 5]
-    assert versions_from_marks(3, 0, [(3, 1)]).tolist() == [0, 0, 0]  # swap after the last token
-
-
-class Engine:
-    """Records the AsyncLLM calls a swap makes; `old_reset` mimics a pre-keyword signature."""
-
-    def __init__(self, old_reset=False, fail_load=False, keep=True):
-        self.calls, self.old_reset, self.fail_load, self.keep = [], old_reset, fail_load, keep
-
-    async def pause_generation(self, *, mode="abort", clear_cache=True, **kw):
-        if not self.keep and mode == "keep":
-            raise TypeError("mode")
-        self.calls.append(("pause", mode, clear_cache))
-
-    async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
-        self.calls.append(("rpc", method, args))
-        if self.fail_load:
-            raise RuntimeError("load failed")
-
-    async def reset_prefix_cache(self, **kw):
-        if self.old_reset and kw:
-            raise TypeError("unexpected keyword")
-        self.calls.append(("reset", kw))
-        return True
-
-    async def update_weight_version(self, v):
-        self.calls.append(("version", v))
-
-    async def resume_generation(self):
-        self.calls.append(("resume",))
-
-
-def test_swap_pauses_keeping_requests_loads_resets_labels_then_resumes():
-    engine, live = Engine(), []
-    asyncio.run(swap(engine, "/w/v3.safetensors", 3, lambda: live.append(len(engine.calls))))
-    assert engine.calls == [("pause", "keep", True), ("rpc", "load_safetensors", ("/w/v3.safetensors",)),
-                            ("reset", {"reset_running_requests": True}), ("version", "3"), ("resume",)]
-    assert live == [4]  # the version goes live after the load, before the engine resumes
-
-
-def test_swap_falls_back_to_the_old_reset_signature():
-    engine = Engine(old_reset=True)
-    asyncio.run(swap(engine, "/w", 1))
-    assert ("reset", {}) in engine.calls and engine.calls[-1] == ("resume",)
-
-
-def test_a_failed_load_still_resumes_and_never_goes_live():
-    engine, live = Engine(fail_load=True), []
-    with pytest.raises(RuntimeError):
-        asyncio.run(swap(engine, "/w", 1, lambda: live.append(1)))
-    assert engine.calls[-1] == ("resume",) and live == []
-
-
-def test_an_engine_without_keep_is_refused_not_aborted():
-    engine = Engine(keep=False)
-    with pytest.raises(TypeError):
-        asyncio.run(swap(engine, "/w", 1))
-    assert engine.calls == []  # no abort-mode pause, no load
+    tied = {"model.embed_tokens.weight": (64, 128), "lm_head.weight": (64, 128)}
+    assert mismatch(tied, {"model.embed_tokens.weight": (64, 128)}, tied=True) == []
+    assert mismatch(tied, {"model.embed_tokens.weight": (65, 128)}, tied=True)
