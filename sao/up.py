@@ -72,6 +72,16 @@ def _sao(*args: str) -> list[str]:
     return [sys.executable, "-m", "sao", *args]
 
 
+def backend_line(backend: str) -> str:
+    """What the producers' `--backend` will be, in words."""
+    if backend != "auto":
+        return f"{backend} backend"
+    from producers.generate.vllm import unsupported_here
+    why = unsupported_here()
+    return f"hf backend ({why})" if why else ("vllm backend where the learner's model fits vLLM's kernels, "
+                                               "else hf (each producer's log says which)")
+
+
 def commands(cfg: UpConfig, ports: dict[str, int]) -> dict[str, list[str]]:
     kafka = ["--kafka.bootstrap", cfg.kafka.bootstrap, "--kafka.topic-prefix", cfg.kafka.topic_prefix]
     cmds = {"learner": _sao("learner", "--run-dir", str(cfg.run_dir / "learner"),
@@ -122,11 +132,6 @@ def run_up(cfg: UpConfig) -> None:
     ensure_topics(cfg.kafka)
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     ports = {f"producer-{i}": free_port() for i in range(cfg.producers)}
-    if cfg.producer_backend == "auto":
-        from producers.generate.vllm import unsupported_here
-        why = unsupported_here()
-        print(f"producers: hf backend ({why})" if why else "producers: vllm backend where the learner's model "
-              "fits vLLM's kernels, else hf (each producer's log says which)", flush=True)
     # one thread per process unless told otherwise: N processes each taking every core thrash
     env = {"OMP_NUM_THREADS": "1", **os.environ, "SAO_LOG_LEVEL": os.environ.get("SAO_LOG_LEVEL", "INFO"),
            "PYTHONUNBUFFERED": "1"}
@@ -139,6 +144,7 @@ def run_up(cfg: UpConfig) -> None:
     try:
         sup.start()
         print(" ".join(f"{c.name}={c.pid}" for c in sup.children.values()), flush=True)
+        print(f"producers: {backend_line(cfg.producer_backend)}", flush=True)
         failure = supervise(cfg, sup, dash, stop)
     finally:
         sup.stop()

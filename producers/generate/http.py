@@ -126,10 +126,11 @@ def swap_server(base_url: str, headers: dict, path: str, version: int) -> float:
     """The in-place swap of producers/generate/vllm.py `swap`, over vLLM's dev-mode HTTP endpoints
     (VLLM_SERVER_DEV_MODE=1); returns the seconds the server was paused. Resumed whatever failed."""
     with httpx.Client(base_url=base_url, headers=headers, timeout=300) as c:
+        c.post("/collective_rpc", json={"method": "stage_file", "args": [path]}).raise_for_status()  # decoding on
         t0 = time.perf_counter()
         c.post("/pause", params={"mode": "keep", "clear_cache": "true"}).raise_for_status()
         try:
-            c.post("/collective_rpc", json={"method": "reload_file", "args": [path]}).raise_for_status()
+            c.post("/collective_rpc", json={"method": "apply_staged"}).raise_for_status()
             c.post("/reset_prefix_cache", params={"reset_running_requests": "true"}).raise_for_status()
             c.post("/update_weight_version", json={"new_version": str(version)}).raise_for_status()
         finally:

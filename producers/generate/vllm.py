@@ -7,9 +7,10 @@ is `log_softmax(logits / T)` of the sampled token, the distribution actually sam
 the engine computes in float32 by default (`--vllm.dtype`): its log-probs then equal the learner's
 float32 forward within 4e-5, where bf16 activations are up to 0.38 off (VLLM-CPU.md §3).
 
-Weight swaps, in place, between decode steps: `pause_generation(mode="keep")` freezes the requests
-in flight → `collective_rpc("reload_file", path)` has every worker reload its weights through
-vLLM's layerwise reload (`WorkerExtension`) → `reset_prefix_cache(reset_running_requests=True)`
+Weight swaps, in place, between decode steps: every worker reads the file while the engine decodes
+on (`collective_rpc("stage_file", path)`), then `pause_generation(mode="keep")` freezes the requests
+in flight → `collective_rpc("apply_staged")` reloads the weights read through vLLM's layerwise
+reload (`WorkerExtension`) → `reset_prefix_cache(reset_running_requests=True)`
 re-prefills the frozen requests under the new weights → `update_weight_version` labels what
 follows → `resume_generation()`, in `finally`. vLLM's own `weight_versions` spans then say which
 version sampled each token. What the engine was paused for is measured per swap (`last_pause_s`),
@@ -142,12 +143,14 @@ def extract(output) -> tuple[np.ndarray, np.ndarray, list, str]:
 
 
 async def swap(engine, path: str, version: int) -> float:
-    """Pause (keep) → reload on every worker → reset the prefix cache → label the version →
-    resume; returns the seconds the engine was paused."""
+    """Read the file on every worker while the engine decodes on, then pause (keep) → reload from
+    what was read → reset the prefix cache → label the version → resume; returns the seconds the
+    engine was paused."""
+    await engine.collective_rpc("stage_file", args=(path,))
     t0 = time.perf_counter()
     await engine.pause_generation(mode="keep", clear_cache=True)
     try:
-        await engine.collective_rpc("reload_file", args=(path,))
+        await engine.collective_rpc("apply_staged")
         await engine.reset_prefix_cache(reset_running_requests=True)
         await engine.update_weight_version(str(version))
     finally:
@@ -159,12 +162,19 @@ class WorkerExtension:
     """Mixed into every vLLM worker (`worker_extension_cls`); called through `collective_rpc`,
     whose arguments must be plain data (tensors would arrive as lists): a path, not a state dict."""
 
-    def reload_file(self, path: str) -> int:
-        """Reload from a safetensors file, or every one of a folder's; returns the tensors read."""
-        import torch
+    def stage_file(self, path: str) -> int:
+        """Read a safetensors file, or every one of a folder's, into memory for `apply_staged`
+        (while the engine still decodes); returns the tensors read."""
         from safetensors.torch import load_file
 
-        state = {k: v for f in safetensors_files(path) for k, v in load_file(f).items()}  # HF names
+        self._staged = {k: v for f in safetensors_files(path) for k, v in load_file(f).items()}  # HF names
+        return len(self._staged)
+
+    def apply_staged(self) -> int:
+        """Load the staged tensors into the model in place (call with the engine paused)."""
+        import torch
+
+        state, self._staged = self._staged, None
         self.reload_weights(weights_iterator=iter(state.items()))  # checkpoint format: it fuses and shards
         # vLLM 0.32 on CPU: a tied output head loads nothing on reload (its weight is the embedding's),
         # so it would keep its packed copy of the old embedding; pack the new one (VLLM-CPU.md §4)
