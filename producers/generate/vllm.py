@@ -229,6 +229,15 @@ def engine_processes(root: int) -> list[int]:
     return found
 
 
+def architecture(config: dict) -> dict:
+    """`hf_overrides` naming the model class where the config does not (a config written from a
+    GGUF-loaded model, as the learner's store holds for SmolLM2, has no `architectures`)."""
+    if config.get("architectures"):
+        return {}
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    return {"architectures": [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config["model_type"]]]}
+
+
 def header_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
     """Tensor names and shapes of a safetensors file (or a folder's), from the headers alone."""
     shapes = {}
@@ -279,7 +288,7 @@ class VLLMGenerator:
             max_model_len=self.context, max_num_seqs=cfg.max_num_seqs, enforce_eager=cfg.enforce_eager,
             load_format="auto" if load else "dummy", skip_tokenizer_init=True,  # token ids in and out
             logprobs_mode="processed_logprobs", generation_config="vllm", enable_prefix_caching=True,
-            worker_extension_cls=f"{__name__}.WorkerExtension")
+            worker_extension_cls=f"{__name__}.WorkerExtension", hf_overrides=architecture(config))
 
         async def start():
             engine = AsyncLLM.from_engine_args(args)
