@@ -37,6 +37,7 @@ from schemas.config import ConfigError
 from schemas.kafka import (SESSION_TIMEOUT_S, FatalKafkaError, KafkaConfig, consumer_error, dead_letter,
                            dead_letter_record, decode_or_dead_letter, make_consumer, make_producer)
 from schemas.messages import DeadLetter, Limits, Trajectory
+from schemas.progress import progress_group
 from schemas.retry import retrying, transient
 
 log = logging.getLogger(__name__)
@@ -136,7 +137,7 @@ class TrajectorySource:
         self._to_commit: list[TopicPartition] | None = None
         self._watermarks: dict[int, int] = {}
         self._thread: threading.Thread | None = None
-        self.consumer = None
+        self.consumer = self.progress = None
         self.dlq = None  # a producer is thread-safe: the prefetch thread and step formation share it
         self.error: BaseException | None = None  # what stopped the prefetch thread
 
@@ -171,6 +172,7 @@ class TrajectorySource:
 
     def start(self) -> TrajectorySource:
         self.consumer = make_consumer(self.kafka, group_id(self.kafka))
+        self.progress = make_consumer(self.kafka, progress_group(self.kafka))  # commits only, never joins
         self.dlq = make_producer(self.kafka)
         self.consumer.subscribe([self.topic], on_assign=self._on_assign)
         self._thread = threading.Thread(target=self._prefetch, name="trajectory-prefetch", daemon=True)
@@ -263,6 +265,7 @@ class TrajectorySource:
         `poisoned` names an error for is dead-lettered whole and the next one is formed in its place."""
         while (step := self._form(step_index, lag, max_staleness, batch_trajectories, batch_tokens,
                                   stop)) is not None:
+            self._report_progress()
             if (error := poisoned(step.ids)) is None:
                 return step
             for e in step.entries:
@@ -329,6 +332,17 @@ class TrajectorySource:
             del self.trained[next(iter(self.trained))]
         return step
 
+    def _report_progress(self) -> None:
+        """Commit the positions consumed so far to the progress group, which only the feeder's and
+        producers' backpressure reads (schemas/progress.py); never waited for, and a failure costs
+        nothing but a late reading: restarts go by the checkpoint and the learner's own group."""
+        offsets = [TopicPartition(self.topic, p, o) for p, o in self.positions.items()]
+        if offsets:
+            try:
+                self.progress.commit(offsets=offsets, asynchronous=True)
+            except KafkaException as e:
+                log.debug("progress commit: %s", e)
+
     def _release(self, group: str) -> list[Entry]:
         del self.held_since[group]
         return self.held.pop(group)
@@ -364,3 +378,4 @@ class TrajectorySource:
             self._thread.join(10)
         if self.consumer is not None:
             self.consumer.close()
+            self.progress.close()

@@ -11,7 +11,10 @@ are slow or absent:
 
     unfinished = Σ over partitions (high watermark − committed offset of group `sao-producers`)
 
-with a partition the group never committed counted from its low watermark.
+with a partition the group never committed counted from its low watermark (schemas/progress.py);
+and, against a learner that falls behind, unfinished prompts plus the trajectories the learner has
+not consumed yet (its progress group's commits) at or below `max_lag`: a learner that is slow, or
+down, holds the prompts here until it catches up, and rollouts never age into stale ones.
 
 A dataset feed resumes where it stopped, even after SIGKILL, and never publishes a sample twice.
 Its position (the next group to publish: epoch × rows + index in that epoch's order) is kept in
@@ -51,6 +54,7 @@ from schemas.config import ConfigError
 from schemas.kafka import FatalKafkaError, KafkaConfig, ensure_topics, make_consumer, make_producer, produce
 from schemas.messages import Prompt, SchemaError
 from schemas.process import stop_on_signals
+from schemas.progress import GroupLag, learner_lag
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +79,10 @@ class FeedConfig:
     """Rollouts per prompt: G >= 2 for the group baselines, 1 for SAO (one rollout per prompt)."""
     max_unfinished: int = 64
     """Most prompts published but not yet finished by the producers."""
+    max_lag: int = 256
+    """Most trajectories ahead of the learner: prompts not yet finished plus trajectories it has not
+    consumed yet (its progress commits, schemas/progress.py). Prompts wait here while the learner is
+    that far behind, so rollouts do not age into stale ones (2 steps' worth suits; 0: no bound)."""
     group: str = "sao-producers"
     """Consumer group whose committed offsets mark prompts finished."""
     seed: int = 0
@@ -97,6 +105,8 @@ class FeedConfig:
         for name in ("max_unfinished", "epochs", "group_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.max_lag < 0:
+            raise ConfigError(f"--max-lag must be >= 0 (0: no bound), got {self.max_lag}")
         if self.max_unfinished < self.group_size:
             raise ConfigError(f"--max-unfinished {self.max_unfinished} cannot hold one group of "
                               f"--group-size {self.group_size}")
@@ -108,12 +118,6 @@ class FeedConfig:
             self.feed_id = f"{Path(self.dataset).stem}-{digest}-{f'seed{self.seed}' if self.shuffle else 'ordered'}"
         if not re.fullmatch(r"[A-Za-z0-9._-]{0,200}", self.feed_id):
             raise ConfigError(f"--feed-id {self.feed_id!r}: use at most 200 of A-Z a-z 0-9 . _ -")
-
-
-def unfinished(high: Mapping[int, int], low: Mapping[int, int], committed: Mapping[int, int]) -> int:
-    """Prompts published but not committed, over partitions; a negative committed offset means
-    the group never committed there."""
-    return sum(h - max(committed.get(p, -1), low.get(p, 0)) for p, h in high.items())
 
 
 def prompts_from_env(env_name: str, seed: int, errors: list[str], timeout_s: float = 120.0) -> Iterator[Prompt]:
@@ -142,31 +146,11 @@ def fan_out(prompt: Prompt, group_size: int) -> list[Prompt]:
     return [dataclasses.replace(prompt, sample=s, group_size=group_size) for s in range(group_size)]
 
 
-class Backlog:
+class Backlog(GroupLag):
     """Reads the unfinished count of one group on the prompts topic."""
 
     def __init__(self, kafka: KafkaConfig, group: str):
-        self.topic = kafka.topic(T.PROMPTS)
-        self.consumer = make_consumer(kafka, group)  # never subscribes: reads the group's commits only
-        parts = self.consumer.list_topics(self.topic, timeout=30).topics[self.topic].partitions
-        self.tps = [TopicPartition(self.topic, p) for p in sorted(parts)]
-
-    def watermarks(self) -> dict[int, tuple[int, int]]:
-        """(low, high) of every partition."""
-        return {tp.partition: retrying(lambda: self.consumer.get_watermark_offsets(tp, timeout=5, cached=False))
-                for tp in self.tps}
-
-    def committed(self) -> list[TopicPartition]:
-        return retrying(lambda: self.consumer.committed(self.tps, timeout=10))
-
-    def count(self) -> int:
-        marks = self.watermarks()
-        committed = {tp.partition: tp.offset for tp in self.committed()}
-        return unfinished({p: h for p, (_, h) in marks.items()}, {p: lo for p, (lo, _) in marks.items()},
-                          committed)
-
-    def close(self) -> None:
-        self.consumer.close()
+        super().__init__(kafka, T.PROMPTS, group)
 
 
 FEED_HEADER, SAMPLE_HEADER = "sao-feed", "sao-feed-sample"
@@ -256,6 +240,7 @@ def run(cfg: FeedConfig, stop: threading.Event | None = None) -> int:
         log.info("feed %s resumes at group %d (%d samples of it and later already published)",
                  cfg.feed_id, start, len(published))
     source, producer, backlog = groups(cfg, errors, start, published), make_producer(cfg.kafka), Backlog(cfg.kafka, cfg.group)
+    lag = learner_lag(cfg.kafka) if cfg.max_lag else None
     topic, sent, exhausted, failed = cfg.kafka.topic(T.PROMPTS), 0, False, []
     position = start  # the next group to publish, once everything sent is acknowledged
 
@@ -276,7 +261,10 @@ def run(cfg: FeedConfig, stop: threading.Event | None = None) -> int:
             producer.flush(30)  # the watermarks must include what we sent
             delivered()
             save()
-            room = (cfg.max_unfinished - backlog.count()) // cfg.group_size  # whole groups only
+            waiting = backlog.count()
+            room = (cfg.max_unfinished - waiting) // cfg.group_size  # whole groups only
+            if lag is not None:  # the learner's backlog too: prompts not finished become trajectories
+                room = min(room, (cfg.max_lag - waiting - lag.count()) // cfg.group_size)
             if cfg.count:
                 room = min(room, (cfg.count - sent) // cfg.group_size)
             batch = take(source, max(room, 0))
@@ -300,6 +288,8 @@ def run(cfg: FeedConfig, stop: threading.Event | None = None) -> int:
     finally:
         producer.flush(30)
         backlog.close()
+        if lag is not None:
+            lag.close()
         if mark is not None:
             mark.close()
     return sent

@@ -63,6 +63,7 @@ from schemas import topics as T
 from schemas.kafka import (KafkaConfig, consumer_error, dead_letter, decode_or_dead_letter, ensure_topics,
                            make_consumer, make_producer, produce)
 from schemas.process import stop_on_signals
+from schemas.progress import Backpressure
 from schemas.config import ConfigError
 from schemas.models import FROM_LEARNER, check_model
 from schemas.messages import DEFAULT_LIMITS, Prompt, SchemaError, Trajectory
@@ -118,6 +119,10 @@ class ProducerConfig:
     env_step_timeout: float = 120.0
     """Seconds one call into the env or --reward plug-in may take (start, step, score); a call that
     takes longer is abandoned and its prompt dead-lettered."""
+    max_lag: int = 256
+    """Take no new prompt while the learner has this many trajectories or more left to consume
+    (its progress commits, schemas/progress.py), so rollouts do not age into stale ones; resume by
+    itself when it catches up (0: no bound). The feeder holds its prompts by the same bound."""
     drain_s: float = 10.0
     """On SIGTERM, seconds the episodes in flight get to finish and be delivered; the rest are
     abandoned unpublished and their prompts redelivered to another producer."""
@@ -134,8 +139,8 @@ class ProducerConfig:
         env_factory(self.env)  # an unknown name or a plug-in that does not import fails here
         if self.concurrency < 1:
             raise ConfigError(f"--concurrency {self.concurrency}: must be >= 1")
-        if not self.env_step_timeout > 0 or self.drain_s < 0:
-            raise ConfigError("--env-step-timeout must be > 0 and --drain-s >= 0")
+        if not self.env_step_timeout > 0 or self.drain_s < 0 or self.max_lag < 0:
+            raise ConfigError("--env-step-timeout must be > 0, --drain-s >= 0 and --max-lag >= 0")
         if self.backend in ("hf", "vllm", "auto"):  # the other backends name a model their server knows
             check_model(self.model, from_learner=True)
         if self.model == FROM_LEARNER and not (self.backend in ("hf", "vllm", "auto") and self.follow_weights):
@@ -322,6 +327,7 @@ class Service:
         self.paused = False
         self.topics = {True: cfg.kafka.topic(T.TRAJECTORIES), False: cfg.kafka.topic(T.PENDING)}
         self.reward_bounds = Bounds(plugin=f"--reward {cfg.reward}", timeout_s=cfg.env_step_timeout)
+        self.backpressure = Backpressure(cfg.kafka, cfg.max_lag) if cfg.max_lag else None
 
     async def run(self) -> int:
         """Returns the number of prompts taken."""
@@ -349,13 +355,15 @@ class Service:
             self._drop(set(self.in_flight.values()))
             await asyncio.wait(self.in_flight, timeout=1.0)
         self.offsets.commit(list(self.offsets.positions))
+        if self.backpressure is not None:
+            self.backpressure.close()
         return taken
 
     def _next(self):
         """The next prompt message to take, or None. With every slot busy the partitions are paused
         but still polled, so a rebalance is answered at once, not when an episode ends; a message
         that comes anyway (from a partition assigned meanwhile) is held until a slot frees."""
-        full = len(self.in_flight) >= self.cfg.concurrency
+        full = len(self.in_flight) >= self.cfg.concurrency or bool(self.backpressure and self.backpressure.held)
         if full != self.paused and (assigned := self.consumer.assignment()):
             (self.consumer.pause if full else self.consumer.resume)(assigned)
             self.paused = full

@@ -43,6 +43,9 @@ class UpConfig:
     """Trajectories per learner step."""
     group_size: int = 1
     """Rollouts per prompt the feeder asks for (G >= 2 for the group baselines)."""
+    max_lag_steps: float = 2.0
+    """How far rollouts may run ahead of training, in learner steps: the feeder and producers hold
+    new prompts while the learner has this many steps' trajectories left (`--max-lag`; 0: no bound)."""
     max_tokens: int = 8
     """Tokens per model turn."""
     run_dir: Path = Path("runs/up")
@@ -84,6 +87,7 @@ def backend_line(backend: str) -> str:
 
 def commands(cfg: UpConfig, ports: dict[str, int]) -> dict[str, list[str]]:
     kafka = ["--kafka.bootstrap", cfg.kafka.bootstrap, "--kafka.topic-prefix", cfg.kafka.topic_prefix]
+    lag = ["--max-lag", str(round(cfg.max_lag_steps * cfg.batch_trajectories))]
     cmds = {"learner": _sao("learner", "--run-dir", str(cfg.run_dir / "learner"),
                             "--weights-dir", str(cfg.run_dir / "weights"), "--model.name", cfg.model,
                             "--batch-trajectories", str(cfg.batch_trajectories), "--max-steps", str(cfg.steps),
@@ -92,12 +96,12 @@ def commands(cfg: UpConfig, ports: dict[str, int]) -> dict[str, list[str]]:
         # `--model learner`: the producers build the learner's published architecture and load its weights
         cmds[name] = _sao("producer", "--backend", cfg.producer_backend, "--env", cfg.env, "--model", "learner", "--producer-id", name,
                           "--max-tokens", str(cfg.max_tokens), "--metrics-port", str(port), "--log-every-s", "10",
-                          *cfg.producer_flags.split(), *kafka)
+                          *lag, *cfg.producer_flags.split(), *kafka)
     if cfg.judge:  # live rewards: pending trajectories -> judge -> sao.rewards -> joiner -> learner
         cmds["judge"] = _sao("judge", "--model", cfg.model, "--criteria", cfg.judge, "--log-every-s", "10", *kafka)
         cmds["reward-join"] = _sao("reward-join", "--data-dir", str(cfg.run_dir / "joiner"), *kafka)
     cmds["feeder"] = _sao("feed", "--env", cfg.env, "--max-unfinished", str(4 * cfg.batch_trajectories),
-                          "--group-size", str(cfg.group_size), *kafka)
+                          "--group-size", str(cfg.group_size), *lag, *kafka)
     return cmds
 
 
