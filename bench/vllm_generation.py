@@ -101,7 +101,7 @@ def main() -> None:
         gaps[dtype] = signed_gaps(learner, prompt, sample(gen, prompt, 16, args.tokens))
         if dtype == "float32":
             update = folder / "bench-update.safetensors"
-            save_file({k: v.contiguous() for k, v in learner.state_dict().items()}, str(update))
+            save_file({k: v.detach().clone().contiguous() for k, v in learner.state_dict().items()}, str(update))
             pauses = [pause_with_requests_in_flight(gen, prompt, str(update), v) for v in (1, 2, 3)]
             update.unlink()
         gen.close()

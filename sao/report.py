@@ -3,7 +3,8 @@
 Writes `RUN_DIR/report.png` (reward, critic explained variance overall and by third of the
 response, DIS kept fraction, staleness, learner throughput, consumer lag, one panel each, against
 the learner step) and `RUN_DIR/summary.txt`
-(steps, wall time, first and last reward, trajectories trained, dead letters, each process's fate
+(steps, wall time, first and last reward and the rise between the first and last five steps,
+trajectories trained, stale drops, staleness, dead letters, each process's fate
 from `RUN_DIR/processes.json` when `sao up` wrote one), and prints the summary.
 """
 
@@ -39,6 +40,11 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else math.nan
 
 
+def rise(rewards: list[float], n: int = 5) -> float:
+    """Mean reward of the last `n` steps minus that of the first `n`: did the run learn."""
+    return _mean(rewards[-n:]) - _mean(rewards[:n]) if len(rewards) >= 2 * n else math.nan
+
+
 def summary(run_dir: Path, steps: list[dict], window: int) -> str:
     rewards = [s.get("reward/mean", math.nan) for s in steps]
     lines = [f"run: {run_dir}", f"learner steps: {len(steps)}"]
@@ -47,7 +53,10 @@ def summary(run_dir: Path, steps: list[dict], window: int) -> str:
                   f"trajectories trained: {sum(len(s.get('trajectory_ids', ())) for s in steps)}",
                   f"first reward (mean of steps 1-{min(window, len(steps))}): {_mean(rewards[:window]):+.3f}",
                   f"last reward (mean of the last {min(window, len(steps))} steps): {_mean(rewards[-window:]):+.3f}",
+                  f"reward rise (mean of the last 5 steps - mean of the first 5): {rise(rewards):+.3f}",
                   f"DIS kept fraction, last step: {steps[-1].get('dis/kept_frac', math.nan):.4f}",
+                  f"staleness p99, highest over the steps: {max(s.get('stale/p99', 0) for s in steps):.0f}",
+                  f"dropped as stale: {steps[-1].get('count/stale', 0)}",
                   f"dead letters counted by the learner: {steps[-1].get('count/dlq', 0)}"]
     meta = run_dir / "processes.json"
     if meta.exists():

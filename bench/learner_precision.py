@@ -1,0 +1,78 @@
+"""The learner on CPU in float32 against bf16 compute (FSDP2's mixed precision: bf16 parameters
+in forward and backward, float32 master weights, gradients reduced in float32), on SmolLM2-135M:
+
+- tokens/s of SAO steps on the same cached rollouts (bench/rollouts.py), each precision in this run;
+- the DIS kept fraction, and the spread of the importance ratio, at the first step (the policy
+  still the rollout engine's, so every ratio would be exactly 1 with exact arithmetic): how far
+  each precision's recomputed log-probs are from the float32 engine's.
+
+    .venv/bin/python bench/learner_precision.py [--steps 4] [--batch 8] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from bench.rollouts import smollm2_rollouts  # noqa: E402
+from learner.models import ModelConfig, build_models, build_policy  # noqa: E402
+from learner.parallel import ParallelConfig, init_distributed  # noqa: E402
+from learner.update import SAOUpdate, UpdateConfig  # noqa: E402
+
+
+def run(bf16: bool, trajs, steps: int, batch: int) -> dict:
+    _, _, device = init_distributed("cpu")
+    torch.manual_seed(0)
+    sao = SAOUpdate(*build_models(build_policy(ModelConfig(name="smollm2")), True,
+                                  ParallelConfig(mixed_precision=bf16), device),
+                    UpdateConfig(warmup_steps=0, lr_policy=5e-5, lr_critic=1e-4))
+    first, ends, tokens = None, [], 0
+    t0 = time.perf_counter()
+    for i in range(steps):
+        step = trajs[i * batch:(i + 1) * batch]
+        metrics = sao.step(step)
+        first = first or metrics
+        ends.append(time.perf_counter())
+        tokens += sum(t.num_tokens for t in step) if i else 0
+    return {"tokens/s (steps 2..)": tokens / (ends[-1] - ends[0]), "first step s": ends[0] - t0,
+            "kept (reasoning)": first["dis/kept_frac"], "ratio min": first["dis/ratio_min"],
+            "ratio max": first["dis/ratio_max"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "learner_precision.md")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    trajs = smollm2_rollouts(args.steps * args.batch)
+    rows = {"float32": run(False, trajs, args.steps, args.batch), "bf16 compute": run(True, trajs, args.steps, args.batch)}
+    head = (f"SmolLM2-135M-Instruct SAO steps (K = 2 critic updates), {args.steps} x {args.batch} cached vLLM-float32 "
+            f"rollouts of the writing env, {args.threads} threads [{platform.machine()}, {os.cpu_count()} cores, "
+            f"torch {torch.__version__}, load {os.getloadavg()[0]:.1f}, {datetime.date.today()}]")
+    cols = list(rows["float32"])
+    lines = [f"# Learner precision: {head}", "", "Command: `.venv/bin/python bench/learner_precision.py`", "",
+             "| compute | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    lines += [f"| {name} | " + " | ".join(f"{v:.4g}" for v in r.values()) + " |" for name, r in rows.items()]
+    speed = rows["bf16 compute"]["tokens/s (steps 2..)"] / rows["float32"]["tokens/s (steps 2..)"]
+    lines += ["", f"bf16 ÷ float32 tokens/s: **{speed:.2f}x**"]
+    text = "\n".join(lines) + "\n"
+    args.out.write_text(text)
+    print(text, flush=True)
+
+
+if __name__ == "__main__":
+    main()
