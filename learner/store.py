@@ -153,6 +153,9 @@ class Checkpointer:
         self.wait()
         tensors, data = split_tensors(state)
         tmp = self.root / f".step{step:08d}.tmp"
+        if self.rank == 0:  # a crashed attempt at this step (another world size, say) left its shards here
+            shutil.rmtree(tmp, ignore_errors=True)
+        dist.barrier(group=self.group)  # no rank writes before the leftovers are gone
         future = dcp.async_save(tensors, checkpoint_id=tmp, process_group=self.group)
         self._writer = threading.Thread(target=self._finish, args=(future, step, tmp, data, then),
                                         name="checkpoint-writer")

@@ -1,0 +1,85 @@
+"""The learner on several nodes: two torchrun agents (c10d rendezvous on loopback, gloo) train
+exactly as one process does; SIGKILL of every process of one node mid-run (its agent and its
+rank) and the survivor's agent restarts the job on its own node, which resumes from the sharded
+checkpoint and trains every trajectory exactly once."""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+from sao.broker import free_port
+from schemas.kafka import KafkaConfig, ensure_topics
+from tests.learner.service_util import (ROOT, announcements, assert_close_state, latest_checkpoint, learner_cmd,
+                                        load_weights, metrics, publish, rollouts, run_learner, trained_ledger)
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "SAO_LOG_LEVEL": "WARNING"}
+
+
+def node(port: int, job: str, nnodes: str, flags: list[str]) -> subprocess.Popen:
+    """One node's torchrun agent with one rank, in a process group of its own (its 'machine')."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", "1",
+         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", job,
+         "--rdzv-conf", "last_call_timeout=3,join_timeout=120", "--max-restarts", "3", "-m", "learner.service",
+         *flags], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+
+
+def _run(kafka_bootstrap: str, name: str, trajs) -> KafkaConfig:
+    cfg = KafkaConfig(bootstrap=kafka_bootstrap, topic_prefix=f"mn{uuid.uuid4().hex[:8]}{name}")
+    ensure_topics(cfg)
+    publish(cfg, [t.encode() for t in trajs])
+    return cfg
+
+
+def test_two_nodes_train_exactly_as_one_process(kafka_bootstrap, tmp_path):
+    trajs = rollouts(12, seed=5)
+    flags = ("--batch-trajectories", "4", "--max-steps", "3")
+    one = _run(kafka_bootstrap, "one", trajs)
+    run_learner(learner_cmd(one, tmp_path / "one", *flags))
+    two = _run(kafka_bootstrap, "two", trajs)
+    port, cmd = free_port(), learner_cmd(two, tmp_path / "two", *flags)[4:]
+    agents = [node(port, "same", "2", cmd) for _ in range(2)]
+    try:
+        for agent in agents:
+            assert agent.wait(300) == 0, agent.stderr.read()[-3000:]
+    finally:
+        for agent in agents:
+            agent.kill()
+    shards = sorted(p.name for p in latest_checkpoint(tmp_path / "two").glob("*.distcp"))
+    assert shards == ["__0_0.distcp", "__1_0.distcp"]  # two ranks, one per node
+    assert_close_state(load_weights(announcements(two)[-1]), load_weights(announcements(one)[-1]), rtol=1e-5)
+
+
+def test_a_node_sigkilled_mid_run_and_the_survivor_resumes_alone_exactly_once(kafka_bootstrap, tmp_path):
+    trajs = rollouts(80, seed=21)
+    cfg = _run(kafka_bootstrap, "kill", trajs)
+    flags = learner_cmd(cfg, tmp_path, "--batch-trajectories", "4", "--max-steps", "20", "--max-staleness", "-1",
+                        "--checkpoint-every", "2")[4:]
+    port = free_port()
+    first = node(port, "elastic", "1:2", flags)  # hosts the rendezvous store
+    time.sleep(1)
+    second = node(port, "elastic", "1:2", flags)
+    try:
+        deadline = time.monotonic() + 300
+        while len(metrics(tmp_path)) < 5 and time.monotonic() < deadline and first.poll() is None:
+            time.sleep(0.1)
+        assert len(metrics(tmp_path)) >= 5, first.stderr.read()[-3000:]
+        assert len(list(latest_checkpoint(tmp_path).glob("*.distcp"))) == 2  # both nodes were in it
+        os.killpg(second.pid, signal.SIGKILL)  # the whole node: its agent and its rank
+        second.wait()
+        assert first.wait(400) == 0, first.stderr.read()[-4000:]  # restarted alone, to the end
+    finally:
+        for agent in (first, second):
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+    trained = trained_ledger(tmp_path)
+    assert set(trained) == {t.id for t in trajs}
+    assert sorted(collections.Counter(trained.values()).items()) == [(s, 4) for s in range(20)]
+    assert sorted(p.name for p in latest_checkpoint(tmp_path).glob("*.distcp")) == ["__0_0.distcp"]
