@@ -6,6 +6,7 @@ checkpoint and trains every trajectory exactly once."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import signal
 import subprocess
@@ -29,6 +30,11 @@ def node(port: int, job: str, nnodes: str, flags: list[str]) -> subprocess.Popen
          "--rdzv-conf", "last_call_timeout=3,join_timeout=120", "--max-restarts", "3", "-m", "learner.service",
          *flags], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         start_new_session=True)
+
+
+def descendants(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout.split()
+    return [d for child in map(int, out) for d in (child, *descendants(child))]
 
 
 def _run(kafka_bootstrap: str, name: str, trajs) -> KafkaConfig:
@@ -72,13 +78,15 @@ def test_a_node_sigkilled_mid_run_and_the_survivor_resumes_alone_exactly_once(ka
             time.sleep(0.1)
         assert len(metrics(tmp_path)) >= 5, first.stderr.read()[-3000:]
         assert len(list(latest_checkpoint(tmp_path).glob("*.distcp"))) == 2  # both nodes were in it
-        os.killpg(second.pid, signal.SIGKILL)  # the whole node: its agent and its rank
+        for pid in [second.pid, *descendants(second.pid)]:  # the whole node: its agent and its rank (which
+            os.kill(pid, signal.SIGKILL)                     # torchrun starts in a session of its own)
         second.wait()
         assert first.wait(400) == 0, first.stderr.read()[-4000:]  # restarted alone, to the end
     finally:
         for agent in (first, second):
-            if agent.poll() is None:
-                os.killpg(agent.pid, signal.SIGKILL)
+            for pid in [agent.pid, *descendants(agent.pid)]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
     trained = trained_ledger(tmp_path)
     assert set(trained) == {t.id for t in trajs}
     assert sorted(collections.Counter(trained.values()).items()) == [(s, 4) for s in range(20)]

@@ -19,7 +19,8 @@ from schemas.kafka import make_consumer
 from tests.producers.util import (Proc, announcement, full_forward_logprobs, make_prompts, publish,
                                   publish_prompts, read_topic, wait_until, write_weights)
 
-SIM = ("--backend", "sim", "--env", "toy-target", "--model", "tiny-llama", "--no-follow-weights",
+# no learner consumes here: no backpressure bound either (--max-lag 0), or 400 prompts would hold at 256
+SIM = ("--backend", "sim", "--env", "toy-target", "--model", "tiny-llama", "--no-follow-weights", "--max-lag", "0",
        "--sim.median-tokens", "20", "--sim.sigma", "1.0", "--sim.token-s", "0.02", "--max-tokens", "200")
 
 
