@@ -4,10 +4,11 @@ The service path: trajectories pre-published to the embedded broker, consumed, d
 for staleness and duplicates, trained under FSDP2, checkpointed with offsets committed, and each
 new policy written to the weight store and announced. The bare loop: the same model, the same
 trajectories and the same `SAOUpdate` steps (also under FSDP2, world size 1), nothing else.
-Both are timed from the end of their first step to the end of their last (the first step pays
+Publication: the training thread only snapshots the policy (`perf/publish_s`); encoding, writing and
+announcing run on the publisher's thread. Both are timed from the end of their first step to the end of their last (the first step pays
 one-off warm-up), and both with the embedded broker running on the same cores (on 2 cores an idle
 Kafka costs the training thread several percent; the bare loop is also timed without it).
-Target: ratio >= 0.95 once a step takes longer than ~1 s. The service runs three times: with its
+Target: ratio >= 0.98 at the defaults (issue 19: publication off the training thread). The service runs three times: with its
 default checkpoint interval, checkpointing after every step, and with neither checkpoints nor
 weight publication in the timed window (what Kafka consumption and step formation alone cost).
 """
@@ -113,12 +114,12 @@ def main() -> None:
     for i, (name, steps) in enumerate(runs.items()):
         times = [s["time"] for s in steps]
         full = tokens_per_step * (len(times) - 1) / (times[-1] - times[0])
-        print(f"{name:<44}{full:>10.0f}{full / bare:>8.2f}" + ("   target >= 0.95" if i == 0 else ""))
+        print(f"{name:<44}{full:>10.0f}{full / bare:>8.2f}" + ("   target >= 0.98" if i == 0 else ""))
     print(f"{'bare SAOUpdate loop, no broker on the machine':<44}{alone:>10.0f}{alone / bare:>8.2f}")
     for name, steps in runs.items():
         print(f"{name.strip()}: train step {np.mean([s['perf/train_s'] for s in steps[1:]]):.2f} s; "
               f"per step checkpoint+publish {np.mean([s['perf/step_s'] - s['perf/train_s'] for s in steps[1:]]):.3f} s "
-              f"(publish alone {np.mean([s['perf/publish_s'] for s in steps[1:]]):.3f} s)")
+              f"(of which the publication's snapshot {np.mean([s['perf/publish_s'] for s in steps[1:]]):.3f} s)")
 
 
 if __name__ == "__main__":

@@ -28,12 +28,13 @@ from typing import Awaitable, Callable, Literal
 
 import faust
 from confluent_kafka import KafkaException, TopicPartition
+from faust.transport.drivers import aiokafka as faust_kafka
 
 from consumers import join
 from consumers.metrics import JoinerMetrics
 from schemas import topics as T
 from schemas.config import ConfigError
-from schemas.kafka import KafkaConfig, consumer_error, ensure_topics, make_consumer
+from schemas.kafka import KafkaConfig, consumer_error, ensure_topics, make_consumer, replication_now
 from schemas.messages import DeadLetter, Reward, SchemaError, Trajectory, decode
 from schemas.retry import retrying
 
@@ -91,6 +92,15 @@ class JoinerConfig:
         return self.app_id or f"{self.kafka.topic_prefix}.reward-join"
 
 
+class IdempotentProducer(faust_kafka.Producer):
+    """faust 0.15's producer, idempotent with acks=all (schemas.kafka.make_producer's guarantee)
+    under at-least-once too, where faust leaves idempotence off: a send aiokafka retries across a
+    broker failure or a leader moving is written once, not twice."""
+
+    def _settings_extra(self) -> dict:
+        return {"acks": "all", "enable_idempotence": True}
+
+
 class Joiner:
     """The faust app, its topics and table, and what each agent does with an event."""
 
@@ -103,10 +113,13 @@ class Joiner:
             datadir=cfg.data_dir, topic_partitions=T.PENDING.partitions,
             processing_guarantee="exactly_once" if cfg.exactly_once else "at_least_once",
             producer_max_request_size=big, consumer_max_fetch_size=big,
+            # the topics faust creates itself (its leader topic) replicated as ours are
+            topic_replication_factor=replication_now(cfg.kafka)[0],
             # a dead member's partitions move on within seconds, not after the 45 s default
             broker_session_timeout=6.0, broker_heartbeat_interval=0.5,
             broker_commit_every=100, broker_commit_interval=1.0, web_enabled=False,
             key_serializer="raw", value_serializer="raw")  # our own codec, on every topic and table
+        app.transport.Producer = IdempotentProducer  # the one producer faust makes, on first use
         raw = dict(key_type=bytes, value_type=bytes)
         pending, rewards, self.ticks, self.out, self.dlq = (
             app.topic(cfg.kafka.topic(t), **raw) for t in (T.PENDING, T.REWARDS, TICKS, T.TRAJECTORIES, T.DLQ))
@@ -296,10 +309,10 @@ class Backfill:
                 raise KafkaException(found.error)
             return found.offset
 
-        offset = retrying(committed, self.timeout)
+        offset = retrying(committed)
         if offset >= 0:
             return offset
-        low, _ = retrying(lambda: self.consumer.get_watermark_offsets(tp, timeout=self.timeout), self.timeout)
+        low, _ = retrying(lambda: self.consumer.get_watermark_offsets(tp, timeout=self.timeout))
         return low  # nothing committed yet: faust starts at the earliest offset
 
     def _read(self, topic: str, partition: int, start: int, end: int) -> list[Input]:

@@ -18,8 +18,10 @@ from torch import nn
 from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PretrainedConfig,
                           Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
+from learner.lora import Lora, adapt, with_adapters
 from learner.parallel import ParallelConfig, broadcast_bytes, materialise, parallelize
 from learner.value import ValueModel
+from schemas.config import ConfigError
 from schemas.models import BYTES_MAX_POSITIONS, check_model, smollm2_gguf
 from schemas.tokenizers import ByteTokenizer
 
@@ -101,9 +103,27 @@ class ModelConfig:
     """Width of a tiny model."""
     num_layers: int = 2
     """Depth of a tiny model."""
+    lora_rank: int = 0
+    """Train LoRA adapters of this rank instead of the whole policy (0: full fine-tuning); only
+    the adapters change, so only they are published (learner/lora.py)."""
+    lora_alpha: float = 16.0
+    """LoRA adapters add (alpha / rank) · B @ A to their module's weight."""
+    lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+    """Comma-separated names of the Linear modules that get adapters."""
+    lora_critic: bool = False
+    """Adapters on the critic too, on its targets outside attention (which SAO keeps frozen), its
+    value head training whole; off: the critic trains as without LoRA."""
 
     def __post_init__(self):
         check_model(self.name, "--model.name")
+        if self.lora_rank < 0 or self.lora_alpha <= 0 or (self.lora_rank and not self.lora_targets.strip(",")):
+            raise ConfigError("--model.lora-rank must be >= 0, --model.lora-alpha > 0 and --model.lora-targets "
+                              "name at least one module")
+
+    @property
+    def lora(self) -> Lora | None:
+        return Lora(rank=self.lora_rank, alpha=self.lora_alpha, critic=self.lora_critic,
+                    targets=tuple(t for t in self.lora_targets.split(",") if t)) if self.lora_rank else None
 
 
 def build_policy(cfg: ModelConfig) -> torch.nn.Module:
@@ -124,17 +144,25 @@ def build_policy(cfg: ModelConfig) -> torch.nn.Module:
 
 
 def build_models(source: nn.Module | None, with_critic: bool, parallel: ParallelConfig,
-                 device: torch.device) -> tuple[nn.Module, ValueModel | None]:
+                 device: torch.device, lora: Lora | None = None) -> tuple[nn.Module, ValueModel | None]:
     """The policy (and critic) sharded over the ranks, built torchtitan's way: on the meta device,
     sharded, then allocated and loaded shard by shard from `source`, rank 0's whole policy on
-    the host (None on the other ranks). No rank's device ever holds a full unsharded model."""
+    the host (None on the other ranks). No rank's device ever holds a full unsharded model. With
+    `lora`, adapters are injected before sharding and start from rank 0's initial values."""
     rank = dist.get_rank()
     blob = broadcast_bytes([source.config.to_json_string().encode()] if rank == 0 else None, device)[0]
     config = source.config if rank == 0 else config_from_json(blob)
     policy, critic = meta_models(config, with_critic)
-    state = source.state_dict() if rank == 0 else None
+    if lora is not None:
+        adapt(policy, critic, lora)
+    state = cstate = None
+    if rank == 0:
+        state = source.state_dict()
+        if critic is not None:
+            cstate = critic_state(state, policy.base_model_prefix, config.hidden_size)
+            cstate = with_adapters(critic, cstate) if lora is not None and lora.critic else cstate
+        state = with_adapters(policy, state) if lora is not None else state
     materialise(parallelize(policy, parallel), state, device)
     if critic is not None:
-        materialise(parallelize(critic, parallel), state and critic_state(
-            state, policy.base_model_prefix, config.hidden_size), device)
+        materialise(parallelize(critic, parallel), cstate, device)
     return policy, critic

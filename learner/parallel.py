@@ -3,8 +3,8 @@
 `torchrun --nproc-per-node N -m learner.service` sets RANK/WORLD_SIZE/MASTER_ADDR; a plain
 `sao learner` runs as a group of one. CUDA ranks use NCCL, CPU ranks gloo. Models are sharded on
 the meta device, then allocated and loaded shard by shard (`materialise`); the only full copies
-of the weights are rank 0's host copy of its source weights at start and, at publication, one
-bucket at a time (`gather_buckets`).
+of the weights are rank 0's host copy of its source weights at start and its snapshot of the
+policy in the published dtype at each publication (`gather_buckets`).
 """
 
 from __future__ import annotations
@@ -143,20 +143,17 @@ def reset_buffers(model: nn.Module, device: torch.device) -> None:
                 getattr(module, name).copy_(getattr(fresh, name))
 
 
-def parameter_specs(model: nn.Module) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-    """Name → (dtype, full shape) of every tensor in the state dict, without gathering anything."""
-    return {k: (v.dtype, tuple(v.shape)) for k, v in get_model_state_dict(model).items()}
-
-
-def gather_buckets(model: nn.Module, bucket_bytes: int = 1 << 28) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """The full state dict in state-dict order, a bucket of about `bucket_bytes` at a time, on
-    rank 0's CPU (empty lists elsewhere). A collective: every rank iterates it to the end. Host
-    memory holds one bucket: the caller writes it out before asking for the next."""
+def gather_buckets(model: nn.Module, dtype: torch.dtype,
+                   bucket_bytes: int = 1 << 28) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The full state dict in state-dict order, a bucket of about `bucket_bytes` at a time, as
+    copies in `dtype` on rank 0's CPU (empty lists elsewhere): training may go on mutating the
+    parameters. Cast before the device-to-host copy, so a bf16 snapshot moves half of fp32's bytes.
+    A collective: every rank iterates it to the end."""
     rank, bucket, size = dist.get_rank() if dist.is_initialized() else 0, [], 0
     for name, t in get_model_state_dict(model).items():
         full = t.full_tensor() if isinstance(t, DTensor) else t  # an all-gather on every rank
         if rank == 0:
-            bucket.append((name, full.detach().cpu()))
+            bucket.append((name, full.detach().to(dtype=dtype, copy=True).cpu()))
         size += full.numel() * full.element_size()
         del full
         if size >= bucket_bytes:

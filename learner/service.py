@@ -4,7 +4,8 @@ One loop, the same for 1 and N ranks (`torchrun --nproc-per-node N -m learner.se
 forms each step from Kafka and broadcasts its bytes; every rank trains its token-balanced share of
 that step in token-budget micro-batches, and FSDP2 (parameters, gradients and optimizer state
 sharded) sums the gradients (learner/update.py). After each step: checkpoint if due, then commit
-the checkpoint's offsets to Kafka, then publish the policy if it changed.
+the checkpoint's offsets to Kafka, then snapshot the policy if it changed; rank 0's publisher
+thread writes and announces it while the next step trains (learner/publish.py).
 
 Exactly once across crashes: the checkpoint (every rank's shards, learner/store.py) holds models,
 optimizers, RNG, the weight version, the consumed position of every partition and the ledger of
@@ -24,7 +25,9 @@ from pathlib import Path
 import torch
 
 from learner.models import ModelConfig, build_models, build_policy
-from learner.parallel import ParallelConfig, broadcast_bytes, gather_buckets, init_distributed, parameter_specs
+from learner.parallel import ParallelConfig, broadcast_bytes, init_distributed
+from learner.lora import published_name
+from learner.publish import DTYPES, Publisher, WeightsConfig, announcer, newest_announced, snapshot
 from learner.checks import Trainable
 from learner.failures import StepFailures
 from learner.source import TrajectorySource, staleness
@@ -33,8 +36,9 @@ from learner.telemetry import Telemetry, staleness_metrics
 from learner.update import SAOUpdate, UpdateConfig
 from learner.value import format_report, param_report
 from schemas import topics as T
+from schemas.collective import Links
 from schemas.config import ConfigError
-from schemas.kafka import KafkaConfig, ensure_topics, make_producer, produce
+from schemas.kafka import KafkaConfig, ensure_topics, make_producer
 from schemas.messages import Trajectory
 from schemas.process import stop_on_signals
 
@@ -56,7 +60,7 @@ class LearnerConfig:
     publish_every: int = 1
     """Publish the policy every this many versions."""
     keep_weights: int = 3
-    """Weight files kept in the store."""
+    """Anchors kept in the weight store, each with the delta files after it."""
     checkpoint_every: int = 10
     """Checkpoint every this many steps (offsets are committed to Kafka only then, so a crash
     replays at most this many steps; the weight versions published meanwhile are never reused)."""
@@ -79,6 +83,7 @@ class LearnerConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     update: UpdateConfig = field(default_factory=UpdateConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
     kafka: KafkaConfig = field(default_factory=KafkaConfig)
 
     def __post_init__(self):
@@ -108,6 +113,8 @@ class FormedStep:
 
     trajectories: list[Trajectory]
     staleness: list[int]
+    dropped: dict[str, list[str]] = field(default_factory=dict)
+    """Rank 0: ids consumed while forming it and not trained, by reason (`Step.dropped`)."""
 
 
 class Learner:
@@ -118,7 +125,8 @@ class Learner:
         self.rank, self.world, self.device = init_distributed(cfg.parallel.device)
         torch.manual_seed(cfg.seed)
         self.policy, self.critic = build_models(build_policy(cfg.model) if self.rank == 0 else None,
-                                                cfg.update.settings.uses_critic, cfg.parallel, self.device)
+                                                cfg.update.settings.uses_critic, cfg.parallel, self.device,
+                                                cfg.model.lora)
         self.model_config = self.policy.config
         self.update = SAOUpdate(self.policy, self.critic, cfg.update)
         self.ckpt = Checkpointer(cfg.run_dir / "checkpoints", cfg.checkpoint_every)
@@ -130,6 +138,11 @@ class Learner:
             cfg.kafka, cfg.trainable(self.model_config), prefetch=cfg.prefetch,
             dedup_window=cfg.dedup_window, group_wait_steps=cfg.group_wait_steps) if self.rank == 0 else None
         self.producer = make_producer(cfg.kafka) if self.rank == 0 else None
+        self.publisher = Publisher(
+            cfg.weights, self.store, announcer(self.producer, cfg.kafka.topic(T.WEIGHTS)),
+            links=Links(cfg.weights.collective_port, cfg.weights.collective_timeout_s)
+            if cfg.weights.transport == "collective" else None,
+            extra={"lora_scale": cfg.model.lora.scale} if cfg.model.lora else None) if self.rank == 0 else None
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self, optimizers: set[str] | None = None) -> dict:
@@ -165,7 +178,7 @@ class Learner:
         steps that are now replayed; producers already hold them and ignore repeats, so the
         restored policy takes the next number past the store's newest, and staleness skips the
         numbers in between (`source.staleness`). A collective."""
-        newest = self.store.newest() if self.rank == 0 else -1
+        newest = max(self.store.newest(), newest_announced(self.cfg.kafka)) if self.rank == 0 else -1
         version = torch.tensor([newest + 1 if newest > self.version else self.version],
                                dtype=torch.int64, device=self.device)
         torch.distributed.broadcast(version, 0)
@@ -184,19 +197,14 @@ class Learner:
 
     # ------------------------------------------------------------------ weights
     def publish(self) -> float:
-        """Write the policy to the store and announce it; returns seconds from call to delivery.
-        The policy is gathered a bucket at a time and streamed into the file (host memory holds
-        one bucket); the critic is never gathered."""
+        """Snapshot the policy and hand it to the publisher, which writes and announces it in the
+        background; returns the seconds the training thread spent (the snapshot). The critic is
+        never gathered."""
         t0 = time.perf_counter()
-        specs, buckets = parameter_specs(self.policy), gather_buckets(self.policy)
-        if self.rank == 0:
-            announcement = self.store.save(specs, buckets, self.version, self.update.step_count)
-            produce(self.producer, self.cfg.kafka.topic(T.WEIGHTS), announcement.encode(), key=announcement.key)
-            if self.producer.flush(60):
-                raise RuntimeError("weights announcement not delivered within 60 s")
-        else:
-            for _ in buckets:  # every rank takes part in each bucket's all-gathers
-                pass
+        state = snapshot(self.policy, DTYPES[self.cfg.weights.dtype], self.cfg.weights.bucket_mb << 20,
+                         published_name)
+        if self.publisher is not None:
+            self.publisher.submit(state, self.version, self.update.step_count)
         return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ one step
@@ -212,7 +220,7 @@ class Learner:
         if payloads is None:
             return None
         if step:  # rank 0 measured staleness while forming the step; the others measure it alike
-            return FormedStep(trajectories=step.trajectories, staleness=step.staleness)
+            return FormedStep(trajectories=step.trajectories, staleness=step.staleness, dropped=step.dropped)
         trajs = [Trajectory.decode(p) for p in payloads]
         return FormedStep(trajectories=trajs, staleness=[self.staleness(t) for t in trajs])
 
@@ -234,7 +242,7 @@ class Learner:
             publish_s = self.publish()
         tokens = sum(t.num_tokens for t in trajs)
         step_s = time.perf_counter() - t0
-        return metrics | {
+        return metrics | (self.publisher.last if self.publisher else {}) | {
             "time": time.time(), "weights/version": self.version, "perf/step_s": step_s, "perf/train_s": train_s,
             "perf/publish_s": publish_s, "perf/tokens_per_s": tokens / step_s,
             "perf/trajectories_per_s": len(trajs) / step_s, "batch/trajectories": len(trajs),
@@ -267,12 +275,16 @@ def run(cfg: LearnerConfig) -> None:
             if telemetry:
                 src = learner.source
                 telemetry.record(metrics | staleness_metrics(step.staleness) | {
-                    "kafka/lag": src.lag(), "kafka/queued": src.queued(),
+                    "kafka/lag": src.lag(), "kafka/queued": src.queued(), "dropped_ids": step.dropped,
                     **{f"count/{k}": src.counts[k] for k in ("dlq", "stale", "duplicate")}})
         if learner.update.step_count % max(cfg.checkpoint_every, 1):
             learner.checkpoint()  # a clean stop keeps every trained step
         learner.ckpt.wait()
+        if learner.publisher:
+            learner.publisher.wait()  # the last version reaches the producers
     finally:
+        if learner.publisher:
+            learner.publisher.close()
         if learner.source:
             learner.source.close()
         if learner.producer:

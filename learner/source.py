@@ -11,11 +11,12 @@ prefetch thread ran ahead. Group baselines (grpo, grpo_dis) take a group only wh
 wait in `held` until all G have arrived (or `group_wait_steps` steps have passed: then a partial
 group of at least 2 trains, a lone member is dropped and counted).
 
-State (consumed positions, the held group members, and the ledger of recently trained ids) lives
-here with `state_dict()`, is saved in the checkpoint, and is committed to Kafka only after that
-checkpoint is durable. The ledger is bounded by age (`dedup_window` ids): duplicates come from a
-prompt replayed after its producer died, so they arrive within a group session timeout plus an
-episode of the original, at any offset; an offset bound would not catch them, an age bound does.
+State (consumed positions, the held group members, the ledger of recently trained ids, and that
+of recently dropped ones with the reason, which `sao audit` reads) lives here with `state_dict()`,
+is saved in the checkpoint, and is committed to Kafka only after that checkpoint is durable. The
+ledgers are bounded by age (`dedup_window` ids): duplicates come from a prompt replayed after its
+producer died, so they arrive within a group session timeout plus an episode of the original, at
+any offset; an offset bound would not catch them, an age bound does.
 """
 
 from __future__ import annotations
@@ -85,6 +86,13 @@ class Step:
     entries: list[Entry] = field(default_factory=list)
     staleness: list[int] = field(default_factory=list)
     num_tokens: int = 0
+    dropped: dict[str, list[str]] = field(default_factory=dict)
+    """Ids consumed while forming this step and not trained, by reason (stale, duplicate,
+    partial_group): the learner's record of them, which `sao audit` reconciles with the topic."""
+
+    def drop(self, reason: str, ids: list[str]) -> None:
+        if ids:
+            self.dropped.setdefault(reason, []).extend(ids)
 
     @property
     def trajectories(self) -> list[Trajectory]:
@@ -97,6 +105,13 @@ class Step:
     @property
     def ids(self) -> list[str]:
         return [e.traj.id for e in self.entries]
+
+
+def remember(ledger: dict, entries: dict, window: int) -> None:
+    """Add `entries` to an insertion-ordered ledger, then forget its oldest beyond `window`."""
+    ledger.update(entries)
+    while len(ledger) > window:
+        del ledger[next(iter(ledger))]
 
 
 def staleness(learner_version: int, traj: Trajectory, restarts: Sequence[tuple[int, int]] = ()) -> int:
@@ -125,6 +140,7 @@ class TrajectorySource:
         self.topic = kafka.topic(T.TRAJECTORIES)
         self.positions: dict[int, int] = {}  # partition -> next offset to train
         self.trained: dict[str, int] = {}  # the ledger: trajectory id -> step index, oldest first
+        self.dropped: dict[str, tuple[str, int]] = {}  # id -> (Step.dropped reason, step index), likewise
         self.held: dict[str, list[Entry]] = {}  # group -> members waiting for the rest
         self.held_since: dict[str, int] = {}  # group -> step index its first member arrived at
         self.counts = collections.Counter()  # dlq, duplicate, stale, partial_group, dead_step
@@ -138,12 +154,14 @@ class TrajectorySource:
         self._watermarks: dict[int, int] = {}
         self._thread: threading.Thread | None = None
         self.consumer = self.progress = None
+        self._reported: dict[int, int] = {}  # the positions last committed to the progress group
         self.dlq = None  # a producer is thread-safe: the prefetch thread and step formation share it
         self.error: BaseException | None = None  # what stopped the prefetch thread
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         return {"positions": dict(self.positions), "trained": list(self.trained.items()),
+                "dropped": [(i, *why) for i, why in self.dropped.items()],
                 "held": {g: [(e.payload, e.partition, e.offset) for e in members]
                          for g, members in self.held.items()},
                 "held_since": dict(self.held_since)}
@@ -151,6 +169,7 @@ class TrajectorySource:
     def load_state_dict(self, state: dict) -> None:
         self.positions = {int(p): int(o) for p, o in state["positions"].items()}
         self.trained = dict(state["trained"])
+        self.dropped = {i: (reason, step) for i, reason, step in state.get("dropped", [])}  # older: none
         self.held = {g: [Entry(Trajectory.decode(payload, self.limits), payload, p, o) for payload, p, o in members]
                      for g, members in state["held"].items()}
         self.held_since = dict(state["held_since"])
@@ -263,8 +282,11 @@ class TrajectorySource:
         and its trajectories are consumed again after a restart). `lag`: a trajectory's staleness
         against the learner's version at this step's formation (`staleness`). A step that
         `poisoned` names an error for is dead-lettered whole and the next one is formed in its place."""
+        dropped: dict[str, list[str]] = {}  # what the formations of dead-lettered steps dropped
         while (step := self._form(step_index, lag, max_staleness, batch_trajectories, batch_tokens,
                                   stop)) is not None:
+            for reason, ids in dropped.items():
+                step.drop(reason, ids)
             self._report_progress()
             if (error := poisoned(step.ids)) is None:
                 return step
@@ -274,6 +296,7 @@ class TrajectorySource:
                     payload=e.payload), key=e.traj.key)
             self.dlq.flush(30)
             self.counts["dead_step"] += 1
+            dropped = step.dropped
         return None
 
     def _form(self, step_index: int, lag: Callable[[Trajectory], int], max_staleness: int,
@@ -287,6 +310,7 @@ class TrajectorySource:
                 stale = lag(e.traj)
                 if max_staleness >= 0 and stale > max_staleness:
                     self.counts["stale"] += 1
+                    step.drop("stale", [e.traj.id])
                     continue
                 step.entries.append(e)
                 step.staleness.append(stale)
@@ -298,6 +322,7 @@ class TrajectorySource:
                 take(members)
             else:
                 self.counts["partial_group"] += len(members)
+                step.drop("partial_group", [e.traj.id for e in members])
         seen = {e.traj.id for members in self.held.values() for e in members}
         while len(step.entries) < batch_trajectories and step.num_tokens < batch_tokens:
             try:
@@ -310,6 +335,9 @@ class TrajectorySource:
                 if stop.is_set():
                     self.positions, self.counts, self.held, self.held_since = snapshot
                     return None
+                # Waiting for the rest of a step: what this step holds and what was dead-lettered
+                # counts as consumed, else a backpressure bound under one step would never open.
+                self._report_progress()
                 continue
             partition, offset, traj, payload = item
             self.positions[partition] = offset + 1
@@ -317,6 +345,7 @@ class TrajectorySource:
                 self.counts["dlq"] += 1
             elif traj.id in self.trained or traj.id in seen:
                 self.counts["duplicate"] += 1
+                step.drop("duplicate", [traj.id])
             else:
                 seen.add(traj.id)
                 entry = Entry(traj, payload, partition, offset)
@@ -327,15 +356,18 @@ class TrajectorySource:
                 self.held_since.setdefault(traj.group, step_index)
                 if len(self.held[traj.group]) >= traj.group_size:
                     take(self._release(traj.group))
-        self.trained.update(dict.fromkeys(step.ids, step_index))
-        while len(self.trained) > self.dedup_window:  # oldest first: dicts keep insertion order
-            del self.trained[next(iter(self.trained))]
+        remember(self.trained, dict.fromkeys(step.ids, step_index), self.dedup_window)
+        remember(self.dropped, {i: (reason, step_index) for reason, ids in step.dropped.items() for i in ids},
+                 self.dedup_window)
         return step
 
     def _report_progress(self) -> None:
         """Commit the positions consumed so far to the progress group, which only the feeder's and
         producers' backpressure reads (schemas/progress.py); never waited for, and a failure costs
         nothing but a late reading: restarts go by the checkpoint and the learner's own group."""
+        if self.positions == self._reported or self.progress is None:  # None: fed by hand, never started
+            return
+        self._reported = dict(self.positions)
         offsets = [TopicPartition(self.topic, p, o) for p, o in self.positions.items()]
         if offsets:
             try:

@@ -1,43 +1,39 @@
 """Durable files of the learner: the weight store producers load from, and training checkpoints.
 
 Both write atomically (temporary file or folder, fsync, rename, fsync of the parent), so a reader
-or a restart sees a whole one or none, and both keep only the last K. Weights stream into their
-file a bucket at a time; checkpoints are sharded per rank and written off the training thread.
+or a restart sees a whole one or none, and both keep only the last K. Weight payloads (anchors and
+deltas, schemas/weights.py) are written by the publisher's thread; checkpoints are sharded per
+rank and written off the training thread.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import math
 import os
 import re
 import shutil
-import struct
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO
 
 import msgpack
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from schemas.messages import Weights
+from schemas.weights import Payload
 
 
-def atomic_file(path: Path, write: Callable[[Path], None]) -> tuple[str, int]:
-    """`write(tmp)` then fsync and rename over `path`; returns the file's (sha256, size)."""
+def atomic_file(path: Path, write: Callable[[Path], None]) -> int:
+    """`write(tmp)` then fsync and rename over `path`; returns the file's size."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     write(tmp)
     with open(tmp, "rb") as f:
-        digest = hashlib.file_digest(f, "sha256").hexdigest()  # from the page cache: cheap
         os.fsync(f.fileno())
     size = tmp.stat().st_size
     os.replace(tmp, path)
     _fsync_dir(path.parent)  # the rename itself must survive a crash
-    return digest, size
+    return size
 
 
 def _numbered(root: Path, pattern: str) -> list[tuple[int, Path]]:
@@ -45,53 +41,27 @@ def _numbered(root: Path, pattern: str) -> list[tuple[int, Path]]:
     return sorted((int(m.group(1)), p) for p in root.iterdir() if (m := rx.fullmatch(p.name)))
 
 
-# safetensors' dtype names
-_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
-           torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
-
-
-def write_safetensors(f: BinaryIO, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
-                      buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> None:
-    """Stream tensors into the safetensors layout: the header from `specs` (name → dtype, shape)
-    first, then each bucket's bytes as it arrives, in `specs` order; one bucket in memory at a time."""
-    header, offset = {}, 0
-    for name, (dtype, shape) in specs.items():
-        size = math.prod(shape) * dtype.itemsize
-        header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-    f.write(struct.pack("<Q", len(raw)) + raw)
-    names = iter(specs)
-    for bucket in buckets:
-        for name, t in bucket:
-            if name != next(names):
-                raise ValueError(f"tensor {name!r} arrived out of the header's order")
-            f.write(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())  # no copy
-
-
 class WeightStore:
-    """`v{version:08d}.safetensors` files of the policy's full state dict (transformers names)."""
+    """Payload files of the policy: `v{version:08d}.safetensors` anchors and
+    `v{version:08d}.delta.safetensors` deltas (updates small enough travel inline and have none).
+    Keeps the last `keep` anchors and every file after the oldest of them, so a late producer
+    finds an anchor and the chain after it."""
 
     def __init__(self, root: Path, keep: int = 3):
         self.root, self.keep = Path(root), keep
         self.root.mkdir(parents=True, exist_ok=True)
 
-    def save(self, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
-             buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int, step: int) -> Weights:
-        """Write version `version` from streamed buckets (`write_safetensors`) and return its
-        announcement (uri, sha256, size, dtype)."""
-        path = self.root / f"v{version:08d}.safetensors"
+    def save(self, version: int, payload: Payload) -> Path:
+        """Write `payload` as version `version`, atomically; returns its path."""
+        path = self.root / f"v{version:08d}{'' if payload.base < 0 else '.delta'}.safetensors"
 
         def write(tmp: Path) -> None:
             with open(tmp, "wb") as f:
-                write_safetensors(f, specs, buckets)
+                payload.write(f)
 
-        sha256, num_bytes = atomic_file(path, write)
+        atomic_file(path, write)
         self._prune()
-        dtypes = sorted({str(dtype).removeprefix("torch.") for dtype, _ in specs.values()})
-        return Weights(version=version, step=step, uri=path.resolve().as_uri(),
-                       sha256=sha256, num_bytes=num_bytes, dtype=",".join(dtypes))
+        return path
 
     def newest(self) -> int:
         """The highest version in the store, -1 if it holds none."""
@@ -108,11 +78,15 @@ class WeightStore:
         atomic_file(self.root / "model.json", lambda tmp: tmp.write_text(json.dumps({"name": model})))
 
     def _versions(self) -> list[tuple[int, Path]]:
-        return _numbered(self.root, r"v(\d+)\.safetensors")
+        return _numbered(self.root, r"v(\d+)(?:\.delta)?\.safetensors")
 
     def _prune(self) -> None:
-        for _, path in self._versions()[:-self.keep]:
-            path.unlink(missing_ok=True)
+        anchors = _numbered(self.root, r"v(\d+)\.safetensors")
+        if len(anchors) > self.keep:
+            oldest_kept = anchors[-self.keep][0]
+            for version, path in self._versions():
+                if version < oldest_kept:
+                    path.unlink(missing_ok=True)
 
 
 def split_tensors(state: dict) -> tuple[dict, dict]:

@@ -69,12 +69,13 @@ def is_attention(module: nn.Module, attention_types: tuple[type, ...] = ()) -> b
 
 def freeze_attention(model: nn.Module, attention_types: tuple[type, ...] = ()) -> int:
     """Set requires_grad=False on every parameter of every attention module; returns how many
-    tensors were frozen. Raises if the model has no attention module by that test."""
+    tensors attention holds (frozen now or already, as under LoRA). Raises if the model has no
+    attention module by that test."""
     frozen = 0
     for module in model.modules():
         if is_attention(module, attention_types):
             for p in module.parameters():
-                frozen += p.requires_grad
+                frozen += 1
                 p.requires_grad_(False)
     if frozen == 0:
         raise ValueError(f"no attention module found in {type(model).__name__}; pass attention_types")

@@ -3,8 +3,12 @@ log line with the rates derived from them.
 
 Names: `sao_producer_episodes_total`, `sao_producer_action_tokens_total`,
 `sao_producer_errors_total{kind}`, `sao_producer_episodes_in_flight`, `sao_producer_weight_version`,
-`sao_producer_weight_updates{outcome=loaded|rejected|ignored|invalid}`, all labelled by nothing
-else: one registry per producer process, scraped per process.
+`sao_producer_weight_updates{outcome=loaded|rejected|ignored|invalid}`, and per weight update
+(producers/weights.py) `sao_producer_weight_last_seconds{phase=fetch|write|load|pause|lag}` with
+their sums `sao_producer_weight_seconds_sum{phase}`, `sao_producer_weight_bytes_sum` and
+`sao_producer_weight_updates_by_source{source}`: the pause is what the engine stopped decoding
+for, apart from fetching and rebuilding the update. Labelled
+by nothing else: one registry per producer process, scraped per process.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ class ProducerMetrics:
         self.version = Gauge("sao_producer_weight_version", "Weight version in use", registry=r)
         self.weights = Gauge("sao_producer_weight_updates", "Weight announcements by outcome", ["outcome"],
                              registry=r)
+        self._watching = False  # the subscriber's update gauges, registered at the first tick that has one
         self._server = start_http_server(port, registry=r)[0] if port else None
         self._n = {"episodes": 0, "tokens": 0, "errors": 0}
         self._last = (time.monotonic(), dict(self._n))
@@ -53,6 +58,9 @@ class ProducerMetrics:
         counts = subscriber.counts if subscriber is not None else {}
         for outcome, count in counts.items():
             self.weights.labels(outcome).set(count)
+        if subscriber is not None and not self._watching:
+            weight_update_gauges(self.registry, "sao_producer", subscriber)
+            self._watching = True
         t0, last = self._last
         dt = time.monotonic() - t0
         if dt < self.log_every_s:
@@ -66,3 +74,21 @@ class ProducerMetrics:
     def close(self) -> None:
         if self._server is not None:
             self._server.shutdown()
+
+
+def weight_update_gauges(registry: CollectorRegistry, prefix: str, subscriber) -> None:
+    """Gauges read from a weight subscriber at each scrape (the producer's and `sao serve`'s):
+    `{prefix}_weight_last_seconds{phase}`, `{prefix}_weight_seconds_sum{phase}`, `{prefix}_weight_bytes_sum`,
+    `{prefix}_weight_updates_by_source{source=inline|file|collective}`."""
+    last = Gauge(f"{prefix}_weight_last_seconds", "The last weight update, by phase", ["phase"], registry=registry)
+    total = Gauge(f"{prefix}_weight_seconds_sum", "All weight updates, by phase", ["phase"], registry=registry)
+    for phase in ("fetch", "write", "load", "pause", "lag"):
+        last.labels(phase).set_function(lambda k=f"{phase}_s": subscriber.last.get(k, float("nan")))
+        if phase != "lag":
+            total.labels(phase).set_function(lambda k=f"{phase}_s": subscriber.totals[k])
+    Gauge(f"{prefix}_weight_bytes_sum", "Bytes of every weight update read",
+          registry=registry).set_function(lambda: subscriber.totals["bytes"])
+    by_source = Gauge(f"{prefix}_weight_updates_by_source", "Weight updates loaded, by how their bytes came",
+                      ["source"], registry=registry)
+    for source in subscriber.by_source:
+        by_source.labels(source).set_function(lambda s=source: subscriber.by_source[s])

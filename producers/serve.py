@@ -9,7 +9,8 @@ and, as a rollout proxy, for external agents.
 - `POST /v1/sessions/{id}/close` with an optional `{"reward": number}`: publishes the session's
   trajectory to `sao.trajectories`, or without a reward to `sao.trajectories.pending`, where a
   reward sent later for the receipt on `sao.rewards` is joined by `sao reward-join`.
-- `GET /health`, `GET /weight_info` (the live version), `GET /v1/models`, `GET /metrics` (Prometheus).
+- `GET /health`, `GET /weight_info` (the live version), `GET /v1/models`, `GET /metrics` (Prometheus,
+  with each weight update's fetch, load and engine-pause seconds: producers/metrics.py).
 
 The server follows `sao.weights` itself (same subscription as a producer) and may swap weights in
 the middle of a request, hence per-token versions. It runs on uvicorn (schemas/http.py): each
@@ -50,7 +51,8 @@ from producers.generate.base import Generation, SamplingParams
 from producers.generate.hf import HFGenerator
 from producers.models import load_model
 from producers.proxy import Sessions, kafka_publisher
-from producers.weights import WeightSubscriber
+from producers.metrics import weight_update_gauges
+from producers.weights import FollowConfig, WeightSubscriber
 from schemas import topics as T
 from schemas.config import ConfigError
 from schemas.http import Guard, HttpConfig, Server, check_exposure, threadsafe
@@ -92,6 +94,7 @@ class ServeConfig:
     """`producer_id` of the proxy's trajectories ("" → serve-<hostname>)."""
     follow_weights: bool = True
     """Subscribe to sao.weights and swap in new versions."""
+    weights: FollowConfig = field(default_factory=FollowConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
     kafka: KafkaConfig = field(default_factory=KafkaConfig)
 
@@ -286,7 +289,9 @@ def run(cfg: ServeConfig) -> None:
     server = make_server(gen, tokenizer, host=cfg.host, port=cfg.port, model_name=cfg.model,
                          max_tokens=cfg.max_tokens, token=cfg.serve_token, max_concurrent=cfg.max_concurrent,
                          sessions=sessions, http=cfg.http)
-    sub = WeightSubscriber(cfg.kafka, gen).start() if cfg.follow_weights else None
+    sub = WeightSubscriber(cfg.kafka, gen, follow=cfg.weights).start() if cfg.follow_weights else None
+    if sub is not None:
+        weight_update_gauges(server.metrics.registry, "sao_serve", sub)
 
     def check() -> None:
         if sub is not None and sub.error is not None:

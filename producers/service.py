@@ -58,7 +58,7 @@ from producers.metrics import ProducerMetrics
 from producers.offsets import OffsetCommitter
 from producers.rewards import scorer
 from producers.sandbox import Sandbox, SandboxConfig
-from producers.weights import WeightSubscriber, learner_store
+from producers.weights import FollowConfig, WeightSubscriber, learner_store
 from schemas import topics as T
 from schemas.kafka import (KafkaConfig, consumer_error, dead_letter, decode_or_dead_letter, ensure_topics,
                            make_consumer, make_producer, produce)
@@ -133,6 +133,7 @@ class ProducerConfig:
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     sim: SimConfig = field(default_factory=SimConfig)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    weights: FollowConfig = field(default_factory=FollowConfig)
     kafka: KafkaConfig = field(default_factory=KafkaConfig)
 
     def __post_init__(self):
@@ -279,7 +280,8 @@ def run(cfg: ProducerConfig, stop: threading.Event | None = None) -> None:
                     tool_s=cfg.sim.tool_s if backend == "sim" else 0.0, bounds=env_bounds(cfg, generator))
     metrics = ProducerMetrics(cfg.producer_id, cfg.metrics_port, cfg.log_every_s)
     holds_weights = backend in ("hf", "vllm") or cfg.server_swaps  # reads the files: verify them first
-    sub = WeightSubscriber(cfg.kafka, generator, verify_files=holds_weights) if cfg.follow_weights else None
+    sub = WeightSubscriber(cfg.kafka, generator, verify_files=holds_weights,
+                           follow=cfg.weights) if cfg.follow_weights else None
     producer = make_producer(cfg.kafka)
     consumer = make_consumer(cfg.kafka, cfg.group, **{"partition.assignment.strategy": "cooperative-sticky"})
     done = 0

@@ -1,84 +1,68 @@
-"""Weight subscription: follow `sao.weights`, verify each newer version, and swap it in.
+"""Weight subscription: follow `sao.weights`, rebuild each newer version, verify it, swap it in.
 
-Every producer and inference server reads the whole (one-partition) topic with its own consumer
-and no shared group: partition 0 is assigned from the beginning, the backlog is read to the high
-watermark, and the newest announcement that loads wins (falling back to older ones if it does
-not). After that each announcement newer than the loaded version is fetched from its `file://`
-uri, checked against its `num_bytes` and `sha256`, and handed to `generator.load_weights`, which
-swaps between two decode steps: an episode in flight continues on the new weights and its later
-tokens carry the new version.
+Every producer and inference server reads the one-partition topic with its own consumer and no
+shared group. At start it reads the topic's tail back to its newest anchors (a window that grows
+until it holds two, so a late start costs the chain, not the history), rebuilds the newest
+version reachable (producers/updates.py: the newest anchor and the deltas after it, falling back
+to older anchors when a link fails) and loads it. After that every announcement is planned the
+same way: a delta onto the held version is applied to the held state; one onto another version
+(missed, out of order) or one that does not verify is refused, and the newest anchor and its
+chain are loaded instead. Nothing is half-applied: the engine gets one full file of a verified
+state (`generator.load_weights`), swapped between two decode steps, so an episode in flight
+continues on the new weights and its later tokens carry the new version.
 
-A failed or corrupt load keeps the old weights; it is logged and counted (`rejected`). Older or
-equal versions are counted as `ignored`. An undecodable announcement is logged and counted
+Linked to the learner by the collective transport (`--weights.collective-addr`), an update the
+learner broadcasts to this engine arrives over the link instead (schemas/collective.py), verified
+the same way; a link that breaks falls back to the files and inline payloads, and links again.
+
+Each update's figures (`last`, summed in `totals`): `fetch_s` reading, decoding, applying and
+verifying; `write_s` the full file; `load_s` the generator's whole load; `pause_s` what the engine
+stopped decoding for (the backend's `last_pause_s`); `lag_s` from the announcement to live.
+A failed update keeps the old weights serving; it is logged and counted (`rejected`). Versions at
+or below the engine's are `ignored`. An undecodable announcement is logged and counted
 (`invalid`) but not dead-lettered: every producer reads every announcement, so each would send
 its own copy of the same dead letter.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
+import math
+import shutil
+import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import unquote, urlparse
 
 from confluent_kafka import OFFSET_BEGINNING, TopicPartition
 
 from producers.generate.base import ArchitectureMismatch, Generator
-from schemas.retry import retrying
+from producers.updates import Rebuilt, WeightsError, local_path, plan, rebuild, write_full
 from schemas import topics as T
+from schemas import weights as W
+from schemas.collective import Link
 from schemas.config import ConfigError
 from schemas.kafka import KafkaConfig, consumer_error, make_consumer
 from schemas.messages import SchemaError, Weights
+from schemas.retry import retrying
 
 log = logging.getLogger(__name__)
 
-
-class WeightsError(ValueError):
-    """An announced weights file that cannot be used (missing, wrong size, wrong sha256)."""
+__all__ = ["FollowConfig", "WeightSubscriber", "WeightsError", "learner_store", "local_path", "weights_reader"]
 
 
-def local_path(uri: str) -> Path:
-    """The path of a `file:///abs/path` uri."""
-    parsed = urlparse(uri)
-    if parsed.scheme != "file" or parsed.netloc not in ("", "localhost"):
-        raise WeightsError(f"unsupported weights uri {uri!r}: only file:///abs/path is supported")
-    return Path(unquote(parsed.path))
-
-
-def sha256_file(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def verify(w: Weights) -> Path:
-    """The local file of announcement `w`, after checking its size and sha256."""
-    path = local_path(w.uri)
-    try:
-        size = path.stat().st_size
-    except OSError as e:
-        raise WeightsError(f"version {w.version}: cannot read {path}: {e}") from None
-    if size != w.num_bytes:
-        raise WeightsError(f"version {w.version}: {path} has {size} bytes, announced {w.num_bytes}")
-    digest = sha256_file(path)
-    if digest != w.sha256:
-        raise WeightsError(f"version {w.version}: sha256 {digest} of {path} != announced {w.sha256}")
-    return path
-
-
-def newest_first(announcements: Sequence[Weights], current: int) -> list[Weights]:
-    """Candidates to load after reading the backlog: versions above `current`, newest first,
-    one per version (the last announcement of a version wins)."""
-    by_version = {w.version: w for w in announcements if w.version > current}
-    return [by_version[v] for v in sorted(by_version, reverse=True)]
-
-
-def _mismatch(w: Weights, e: ArchitectureMismatch) -> ConfigError:
-    return ConfigError(f"--model: the learner's weights (version {w.version}) are another architecture "
-                       f"than this producer's model: {e}")
+@dataclass(kw_only=True)
+class FollowConfig:
+    collective_addr: str = ""
+    """host:port of the learner's collective endpoint (its --weights.collective-port): take updates
+    broadcast to this engine over torch.distributed; "": files and inline payloads only."""
+    collective_timeout_s: float = 30.0
+    """An update not received over the link within this many seconds: the link is dropped and
+    the files used."""
+    scratch_dir: str = ""
+    """Folder for the full file handed to the engine at each update (one kept); "": a temporary folder."""
 
 
 def weights_reader(kafka: KafkaConfig):
@@ -103,7 +87,7 @@ def learner_store(kafka: KafkaConfig, stop: threading.Event, poll_s: float = 0.5
                     next_log += 30
                 continue
             try:
-                folder = local_path(Weights.decode(msg.value() or b"").uri).parent
+                folder = local_path(Weights.decode(msg.value() or b"").store)
             except (SchemaError, WeightsError) as e:
                 log.error("weights announcement at offset %d unusable: %s", msg.offset(), e)
                 continue
@@ -117,19 +101,28 @@ def learner_store(kafka: KafkaConfig, stop: threading.Event, poll_s: float = 0.5
 
 
 class WeightSubscriber:
-    """A background thread that keeps `generator` on the newest loadable announced version."""
+    """A background thread that keeps `generator` on the newest version it can verify."""
 
     def __init__(self, kafka: KafkaConfig, generator: Generator, *, verify_files: bool = True,
-                 poll_s: float = 0.2):
+                 follow: FollowConfig = FollowConfig(), poll_s: float = 0.2, keep_anchors: int = 2):
         self.kafka = kafka
         self.generator = generator
         self.verify_files = verify_files  # False: the generator only records versions (http backend),
-        # so it gets the uri itself and this process needs no access to the file
-        self.poll_s = poll_s
+        # so it gets the uri itself and this process reads no payload
+        self.poll_s, self.keep_anchors = poll_s, keep_anchors
         self.counts = {"loaded": 0, "rejected": 0, "ignored": 0, "invalid": 0}
-        self.last_swap_s = float("nan")  # announcement created_at -> new weights live
+        self.by_source = {"inline": 0, "file": 0, "collective": 0}  # updates loaded, by how their bytes came
+        self.last: dict[str, float] = {}
+        self.totals = {"fetch_s": 0.0, "write_s": 0.0, "load_s": 0.0, "pause_s": 0.0, "bytes": 0}
         self.caught_up = threading.Event()  # the backlog has been read and the newest version tried
         self.error: BaseException | None = None  # why the thread died; the owner should exit
+        self._history: list[Weights] = []  # announcements from the newest `keep_anchors` anchors on
+        self._held: Rebuilt | None = None  # the state of the version last loaded: the base of the next delta
+        self._bad: set[int] = set()  # versions that failed to apply
+        self._own_scratch = not follow.scratch_dir
+        self._scratch = Path(follow.scratch_dir or tempfile.mkdtemp(prefix="sao-weights-"))
+        self._scratch.mkdir(parents=True, exist_ok=True)
+        self._link = Link(follow.collective_addr, follow.collective_timeout_s) if follow.collective_addr else None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="weights", daemon=True)
 
@@ -140,31 +133,34 @@ class WeightSubscriber:
     def close(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self._thread.join(timeout)
+        if self._link is not None:
+            self._link.close()
+        if self._own_scratch:
+            shutil.rmtree(self._scratch, ignore_errors=True)
 
-    def apply(self, w: Weights) -> bool:
-        """Load `w` if it is newer than the generator's version; False if ignored or rejected."""
-        if w.version <= self.generator.version:
-            self.counts["ignored"] += 1
-            log.info("weights version %d ignored: already on %d", w.version, self.generator.version)
-            return False
+    @property
+    def held_version(self) -> int:
+        return self._held.version if self._held else -1
+
+    # ------------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        consumer = weights_reader(self.kafka)
         try:
-            self.generator.load_weights(str(verify(w)) if self.verify_files else w.uri, w.version)
-        except ArchitectureMismatch as e:
-            raise _mismatch(w, e) from e
-        except Exception as e:  # a bad file or a load failure must never take the producer down
-            self.counts["rejected"] += 1
-            log.error("weights version %d rejected, staying on %d: %s", w.version,
-                      self.generator.version, e)
-            return False
-        self.counts["loaded"] += 1
-        self.last_swap_s = time.time() - w.created_at
-        log.info("weights version %d live (%.3fs after its announcement)", w.version, self.last_swap_s)
-        return True
+            self._history = self._backlog(consumer)
+            self._advance()
+            self.caught_up.set()
+            while not self._stop.is_set():
+                if (w := self._decode(consumer.poll(self.poll_s))) is not None:
+                    self._announced(w)
+        except BaseException as e:  # the owner checks `error` and exits: no silent stale weights
+            self.error = e
+            log.exception("weights subscription died")
+        finally:
+            self.caught_up.set()
+            consumer.close()
 
     def _decode(self, msg) -> Weights | None:
-        if msg is None:
-            return None
-        if consumer_error(msg):
+        if msg is None or consumer_error(msg):
             return None
         try:
             return Weights.decode(msg.value() or b"")
@@ -173,44 +169,147 @@ class WeightSubscriber:
             log.error("invalid weights announcement at offset %d: %s", msg.offset(), e)
             return None
 
-    def _catch_up(self, consumer, tp: TopicPartition) -> None:
-        _, high = retrying(lambda: consumer.get_watermark_offsets(tp, timeout=5, cached=False))
-        backlog, position = [], -1
-        while position < high - 1 and not self._stop.is_set():
-            msg = consumer.poll(self.poll_s)
-            if msg is not None and not msg.error():
-                position = msg.offset()
-            if (w := self._decode(msg)) is not None:
-                backlog.append(w)
-        check = getattr(self.generator, "check_weights", None)  # backends that hold the model
-        if check is not None and self.verify_files:
-            # a version we start on and never load (v0 is built here from the same seed) must be this
-            # model's architecture too; newer ones are checked as apply() loads them, hashed once
-            for w in (w for w in newest_first(backlog, -1) if w.version <= self.generator.version):
-                try:
-                    path = verify(w)
-                except WeightsError:
-                    continue  # apply() below rejects and counts it
-                try:
-                    check(str(path))
-                except ArchitectureMismatch as e:
-                    raise _mismatch(w, e) from e
-                break
-        for w in newest_first(backlog, self.generator.version):
-            if self.apply(w):
-                break
+    def _backlog(self, consumer) -> list[Weights]:
+        """The announcements at the topic's end, back to the `keep_anchors`-th newest anchor (or
+        the beginning), read newest window first, each offset once; then the consumer is left at
+        the end for the live loop."""
+        tp = consumer.assignment()[0]
+        low, high = retrying(lambda: consumer.get_watermark_offsets(tp, timeout=5, cached=False))
+        got, end, window = [], high, 64
+        while end > low and sum(w.base < 0 for w in got) < self.keep_anchors and not self._stop.is_set():
+            start = max(low, end - window)
+            got = self._read(consumer, TopicPartition(tp.topic, 0, start), end) + got
+            end, window = start, 4 * window
+        consumer.assign([TopicPartition(tp.topic, 0, high)])
+        return got
 
-    def _run(self) -> None:
-        consumer = weights_reader(self.kafka)
+    def _read(self, consumer, tp: TopicPartition, end: int) -> list[Weights]:
+        consumer.assign([tp])
+        got, position = [], tp.offset - 1
+        while position < end - 1 and not self._stop.is_set():
+            msg = consumer.poll(self.poll_s)
+            if msg is None or msg.error():
+                continue
+            position = msg.offset()
+            if position < end and (w := self._decode(msg)) is not None:
+                got.append(w)
+        return got
+
+    def _announced(self, w: Weights) -> None:
+        received = self._receive(w) if self._link is not None else False  # a member must always take its broadcast
+        if not received and w.version <= self.generator.version:
+            self.counts["ignored"] += 1
+            log.info("weights version %d ignored: already on %d", w.version, self.generator.version)
+        self._history.append(w)
+        self._bad.discard(w.version)  # announced again: worth another try
+        anchors = [i for i, x in enumerate(self._history) if x.base < 0]
+        if len(anchors) > self.keep_anchors:
+            self._history = self._history[anchors[-self.keep_anchors]:]
+        if not received:
+            self._advance()
+
+    # ------------------------------------------------------------------ updates
+    def _advance(self) -> None:
+        """Rebuild and load the newest version reachable, trying the next best after each failure."""
+        if not self.verify_files:  # the server loads: hand it the newest announcement
+            newest = max(self._history, key=lambda w: w.version, default=None)
+            if newest is not None and newest.version > self.generator.version:
+                self._load(newest.uri, newest.version, [newest], time.perf_counter(), "file")
+            return
+        while chain := plan(self._history, self.held_version, self._bad):
+            if chain[-1].version < self.generator.version:
+                return  # nothing as new as what the engine runs
+            t0 = time.perf_counter()
+            state, failed, error = rebuild(chain, self._held)
+            if failed is not None:
+                self._bad.add(failed.version)
+                self.counts["rejected"] += 1
+                log.error("weights version %d refused, staying on %d: %s", failed.version,
+                          self.generator.version, error)
+            if state is not None and state.version >= self.generator.version:
+                used = chain[:chain.index(failed)] if failed is not None else chain
+                self._install(state, used, t0, "inline" if all(w.inline for w in used) else "file")
+            if failed is None:
+                return
+
+    def _install(self, state: Rebuilt, chain: list[Weights], t0: float, source: str) -> None:
+        """Make `state` the held one, loading it unless the engine already runs its version (v0 is
+        built from the learner's seed; its state is still needed as the base of the first delta,
+        and it must be this engine's architecture)."""
+        fetched = time.perf_counter()
+        path = write_full(state, self._scratch)
+        if state.version == self.generator.version:
+            check = getattr(self.generator, "check_weights", None)
+            try:
+                if check is not None:
+                    check(str(path))
+            except ArchitectureMismatch as e:
+                raise _mismatch(state.version, e) from e
+            finally:
+                path.unlink(missing_ok=True)
+            self._hold(state)
+            return
+        moved = (sum(t.bits.nbytes for t in state.state.values()) if source == "collective"
+                 else sum(w.num_bytes for w in chain))
+        stats = {"fetch_s": fetched - t0, "write_s": time.perf_counter() - fetched, "bytes": moved}
+        if self._load(str(path), state.version, chain, time.perf_counter(), source, stats):
+            self._hold(state)
+            for old in self._scratch.glob("v*.safetensors"):
+                if old != path:
+                    old.unlink(missing_ok=True)  # the engine's last good file stays (vLLM reloads it on failure)
+        else:
+            self._bad.add(state.version)
+            path.unlink(missing_ok=True)
+
+    def _hold(self, state: Rebuilt) -> None:
+        self._held = state
+        if self._link is not None:
+            self._link.start()  # a state to receive into: link (again) if not linked
+
+    def _load(self, path: str, version: int, chain: list[Weights], t0: float, source: str,
+              stats: dict | None = None) -> bool:
         try:
-            self._catch_up(consumer, consumer.assignment()[0])
-            self.caught_up.set()
-            while not self._stop.is_set():
-                if (w := self._decode(consumer.poll(self.poll_s))) is not None:
-                    self.apply(w)
-        except BaseException as e:  # the owner checks `error` and exits: no silent stale weights
-            self.error = e
-            log.exception("weights subscription died")
-        finally:
-            self.caught_up.set()
-            consumer.close()
+            self.generator.load_weights(path, version)
+        except ArchitectureMismatch as e:
+            raise _mismatch(version, e) from e
+        except Exception as e:  # a load failure must never take the producer down
+            self.counts["rejected"] += 1
+            log.error("weights version %d rejected by the engine, staying on %d: %s", version,
+                      self.generator.version, e)
+            return False
+        stats = (stats or {}) | {"version": version, "load_s": time.perf_counter() - t0, "chain": len(chain),
+                                 "pause_s": getattr(self.generator, "last_pause_s", float("nan")),
+                                 "lag_s": time.time() - chain[-1].created_at}
+        self.last = stats
+        for k in self.totals.keys() & stats.keys():
+            self.totals[k] += 0 if math.isnan(stats[k]) else stats[k]  # NaN: a backend that does not measure it
+        self.counts["loaded"] += 1
+        self.by_source[source] += 1
+        log.info("weights version %d live (%s, %d update%s, %.3f s after its announcement, engine paused %.3f s)",
+                 version, source, len(chain), "" if len(chain) == 1 else "s", stats["lag_s"], stats["pause_s"])
+        return True
+
+    def _receive(self, w: Weights) -> bool:
+        """Take `w` over the collective link if the learner broadcasts it to this engine; False
+        to use the payload instead (not linked, not a member of this broadcast, or the link broke)."""
+        if self._held is None:  # not linked yet: linking starts once a state is held
+            return False
+        t0 = time.perf_counter()
+        try:
+            state = self._link.receive(w.version, self._held.state)
+        except RuntimeError as e:  # a broken link: dropped, relinked in the background
+            log.warning("weights version %d not received over the link (%s); reading it instead", w.version, e)
+            return False
+        if state is None or w.version <= self.generator.version:
+            return False
+        if W.digest(state) != w.digest:
+            self.counts["rejected"] += 1
+            log.error("weights version %d from the link does not verify; reading it instead", w.version)
+            return False
+        self._install(Rebuilt(version=w.version, state=state, extra=self._held.extra), [w], t0, "collective")
+        return self._held.version == w.version
+
+
+def _mismatch(version: int, e: ArchitectureMismatch) -> ConfigError:
+    return ConfigError(f"--model: the learner's weights (version {version}) are another architecture "
+                       f"than this producer's model: {e}")

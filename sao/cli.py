@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "up": ("sao.up", "UpConfig", "the whole pipeline on this machine with a live dashboard and a report (make run)"),
     "report": ("sao.report", "ReportConfig", "redo report.png and summary.txt of a `sao up` run directory"),
     "topics": ("sao.topics", "TopicsConfig", "create every sao topic with its partitions and configs, then exit"),
+    "audit": ("sao.audit", "AuditConfig", "account for every prompt and trajectory of a run; exit 1 on any unexplained"),
     "stack": ("sao.stack", "StackConfig", "the whole pipeline on this machine, plain: broker, learner, producers, feeder"),
     "demo": ("sao.demo", "DemoConfig", "broker + topics + a visible produce -> consume round trip"),
     "producer": ("producers.service", "ProducerConfig", "play prompts from sao.prompts, publish trajectories"),

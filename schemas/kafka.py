@@ -79,11 +79,20 @@ def make_consumer(cfg: KafkaConfig, group_id: str, **overrides) -> Consumer:
     }))
 
 
+def replication_now(cfg: KafkaConfig, timeout: float = 30.0) -> tuple[int, int]:
+    """(replication factor, min.insync.replicas) of a topic created now: `topics.replication` for
+    the brokers the cluster has."""
+    return T.replication(len(AdminClient(cfg.client()).list_topics(timeout=timeout).brokers))
+
+
 def ensure_topics(cfg: KafkaConfig, wanted: Iterable[T.Topic] = T.ALL, timeout: float = 30.0) -> list[str]:
-    """Create the topics that do not exist yet; returns the names created (empty when all exist)."""
+    """Create the topics that do not exist yet, replicated as `replication_now` says; returns the
+    names created (empty when all exist)."""
     admin = AdminClient(cfg.client())
     existing = set(admin.list_topics(timeout=timeout).topics)
-    new = [NewTopic(cfg.topic(t), num_partitions=t.partitions, replication_factor=-1, config=t.config)
+    factor, min_isr = replication_now(cfg, timeout)
+    new = [NewTopic(cfg.topic(t), num_partitions=t.partitions, replication_factor=factor,
+                    config={**t.config, "min.insync.replicas": str(min_isr)})
            for t in wanted if cfg.topic(t) not in existing]
     created = []
     for name, fut in (admin.create_topics(new, operation_timeout=timeout).items() if new else ()):
@@ -108,14 +117,15 @@ def _await_topics(admin: AdminClient, names: list[str], timeout: float) -> None:
         time.sleep(0.1)
 
 
-def wait_for_broker(bootstrap: str, timeout: float = 60.0, settings: Mapping[str, str] | None = None) -> None:
-    """Block until the cluster answers a metadata request."""
+def wait_for_broker(bootstrap: str, timeout: float = 60.0, settings: Mapping[str, str] | None = None,
+                    brokers: int = 1) -> None:
+    """Block until the cluster answers a metadata request naming at least `brokers` brokers."""
     # log_level 0: "connection refused" while the broker boots is expected, not worth a line
     admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 0, **(settings or {})})
     deadline = time.monotonic() + timeout
     while True:
         try:
-            if admin.list_topics(timeout=2).brokers:
+            if len(admin.list_topics(timeout=2).brokers) >= brokers:
                 return
         except KafkaException:
             pass

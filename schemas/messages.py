@@ -241,15 +241,26 @@ class Reward(_Message):
 
 @dataclass(kw_only=True, eq=False)
 class Weights(_Message):
-    """Announcement of a new policy version; the bytes live at `uri`."""
+    """Announcement of a new policy version: an anchor (`base` -1, the whole state) or a delta onto
+    version `base`, its payload (schemas/weights.py) at `uri` or inline in `payload`, and the
+    `digest` of the state it results in (what every receiver checks, whatever carried the bytes)."""
 
     kind: ClassVar[str] = "weights"
     version: int
     step: int
-    uri: str
-    sha256: str
+    digest: str
+    """schemas.weights.digest of the resulting state: blake3 over each tensor's name, dtype, shape, checksum."""
     num_bytes: int
-    dtype: str = "float32"
+    """Size of the payload."""
+    base: int = -1
+    """-1: an anchor; else the version the delta applies onto (and only onto)."""
+    uri: str = ""
+    """`file://` uri of the payload; "" when it is inline."""
+    payload: bytes = b""
+    """The payload itself, when small enough (`--weights.inline-bytes`); b"" when at `uri`."""
+    store: str = ""
+    """`file://` uri of the learner's weight store folder (config.json, model.json), "" if unshared."""
+    dtype: str = "bfloat16"
     format: str = "safetensors"
     created_at: float = field(default_factory=_now)
 
@@ -257,21 +268,33 @@ class Weights(_Message):
     def key(self) -> bytes:
         return str(self.version).encode()
 
+    @property
+    def inline(self) -> bool:
+        return not self.uri
+
     def _fields(self) -> dict:
         return {"version": self.version, "step": self.step, "created_at": float(self.created_at),
-                "uri": self.uri, "format": self.format, "sha256": self.sha256,
-                "num_bytes": self.num_bytes, "dtype": self.dtype}
+                "base": self.base, "uri": self.uri, "payload": self.payload, "store": self.store,
+                "format": self.format, "digest": self.digest, "num_bytes": self.num_bytes, "dtype": self.dtype}
 
     @classmethod
     def _from_map(cls, m: dict, limits: Limits) -> Weights:
-        sha = string(m, "sha256", limits)
-        if len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
-            raise SchemaError("sha256", "expected 64 lowercase hex digits")
+        digest = string(m, "digest", limits)
+        if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+            raise SchemaError("digest", "expected 64 lowercase hex digits")
         fmt = string(m, "format", limits)
         if fmt != "safetensors":
             raise SchemaError("format", f"unsupported weight format {fmt!r}")
-        return cls(version=integer(m, "version", lo=0), step=integer(m, "step", lo=0),
-                   uri=string(m, "uri", limits), sha256=sha, num_bytes=integer(m, "num_bytes", lo=0),
+        version, base = integer(m, "version", lo=0), integer(m, "base", lo=-1)
+        if base >= version:
+            raise SchemaError("base", f"a delta applies onto an older version, got {base} for {version}")
+        uri, payload, num_bytes = string(m, "uri", limits), binary(m, "payload", limits), integer(m, "num_bytes", lo=0)
+        if bool(uri) == bool(payload):
+            raise SchemaError("payload", "exactly one of uri and payload must be set")
+        if payload and len(payload) != num_bytes:
+            raise SchemaError("payload", f"{len(payload)} bytes, announced {num_bytes}")
+        return cls(version=version, step=integer(m, "step", lo=0), digest=digest, num_bytes=num_bytes,
+                   base=base, uri=uri, payload=payload, store=string(m, "store", limits),
                    dtype=string(m, "dtype", limits), format=fmt, created_at=number(m, "created_at"))
 
 

@@ -29,13 +29,20 @@ TRANSIENT = {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABL
              KafkaError.REBALANCE_IN_PROGRESS, KafkaError.ILLEGAL_GENERATION, KafkaError.UNKNOWN_MEMBER_ID}
 
 
+OUTAGE_S = 300.0
+"""How long a broker outage only delays work: the horizon of librdkafka's own retries (a produce
+fails after `message.timeout.ms`, 5 minutes by default), and so that of `retrying`. Past it, a
+service stops with the error, as it does at once on a fatal one."""
+
+
 def transient(err: KafkaError) -> bool:
     """Whether waiting and trying again can fix `err`."""
     return not err.fatal() and (err.code() in TRANSIENT or err.retriable())
 
 
-def retrying(call: Callable[[], R], timeout: float = 60.0) -> R:
-    """`call()`, retried with a bounded backoff while it fails with a transient Kafka error."""
+def retrying(call: Callable[[], R], timeout: float = OUTAGE_S) -> R:
+    """`call()`, retried with a bounded backoff while it fails with a transient Kafka error, for up
+    to `timeout` seconds."""
     deadline, backoff = time.monotonic() + timeout, 0.1
     while True:
         try:

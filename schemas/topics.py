@@ -24,7 +24,15 @@ TRAJECTORIES = Topic("trajectories", 12, _BIG)
 PENDING = Topic("trajectories.pending", 12, _BIG)
 REWARDS = Topic("rewards", 12)
 # One partition keeps announcements ordered; producers read all of it with no shared group.
-WEIGHTS = Topic("weights", 1, {"retention.ms": str(7 * 24 * 3600 * 1000)})
+WEIGHTS = Topic("weights", 1, {"retention.ms": str(7 * 24 * 3600 * 1000), **_BIG})  # updates travel inline
 DLQ = Topic("dlq", 1, _BIG)
 
 ALL = (PROMPTS, TRAJECTORIES, PENDING, REWARDS, WEIGHTS, DLQ)
+
+
+def replication(brokers: int) -> tuple[int, int]:
+    """(replication factor, min.insync.replicas) of every topic on a cluster of `brokers`: three
+    copies where there are three brokers or more, of which an acks=all write needs two, so one
+    broker may be down without a write being lost or refused; fewer brokers, fewer copies."""
+    factor = min(3, brokers)
+    return factor, max(factor - 1, 1)

@@ -1,4 +1,6 @@
-"""The embedded broker: durable across a restart on the same data folder, and `sao broker` runs."""
+"""The embedded broker: durable across a restart on the same data folder, `sao broker` runs one
+node or, one process per node as compose runs them, a replicated three-node cluster whose topics,
+internal ones included, get three replicas with min.insync.replicas 2."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from sao.broker import BrokerConfig, EmbeddedBroker, free_port
 from sao.demo import random_trajectory
 from schemas import topics as T
 from schemas.kafka import KafkaConfig, ensure_topics, make_consumer, make_producer, produce, wait_for_broker
+from tests.cluster_util import free_ports, replication
 
 
 def _produce(cfg: KafkaConfig, sent: list[bytes]) -> None:
@@ -46,7 +49,7 @@ def test_messages_produced_before_a_restart_are_consumable_after(tmp_path):
         cfg = KafkaConfig(bootstrap=broker.bootstrap, settings={})
         _produce(cfg, sent)
         broker.stop()
-        assert broker.proc is None
+        assert not broker.alive()
 
         broker.start()  # same folder, same port
         assert sorted(_consume(cfg, "after-restart", len(sent))) == sorted(sent)
@@ -82,3 +85,29 @@ def test_tansu_fallback_round_trips_trajectories(tmp_path):
         _produce(cfg, sent)
         got = _consume(cfg, "tansu-group", len(sent))
     assert sorted(got) == sorted(sent)
+
+
+def _serve(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "sao", "broker", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "SAO_LOG_LEVEL": "WARNING"})
+
+
+def _stopped(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(90) == 0, proc.stdout.read()[-2000:]
+
+
+def test_three_sao_broker_nodes_in_their_own_processes_form_one_cluster(tmp_path):
+    """As docker-compose.cluster.yml runs them: `--node N` each, ports and quorum from --port."""
+    port = free_ports(6)  # clients on port .. port + 2, controllers on port + 3 .. port + 5
+    procs = [_serve("--brokers", "3", "--node", str(n), "--port", str(port), "--cluster-id", "c2FvLXRlc3QtY2x1c3Rlcg",
+                    "--data-dir", str(tmp_path / f"n{n}")) for n in (1, 2, 3)]
+    try:
+        wait_for_broker(f"127.0.0.1:{port}", timeout=180, brokers=3)
+        assert [f"127.0.0.1:{port + n}" in p.stdout.readline() for n, p in enumerate(procs)] == [True] * 3
+        assert set(replication(f"127.0.0.1:{port + 2}").values()) == {(3, "2")}
+        for p in procs:
+            _stopped(p)
+    finally:
+        for p in procs:
+            p.kill()

@@ -34,7 +34,7 @@ def _sao(*args: str, kafka_cfg=None, as_flags: bool = False, timeout: float = 30
 def test_usage_lists_every_subcommand_and_unknown_ones_fail():
     out = _sao("--help")
     assert out.returncode == 0
-    for name in ("broker", "stack", "demo", "learner", "producer", "feed", "serve"):
+    for name in ("broker", "stack", "demo", "learner", "producer", "feed", "serve", "audit"):
         assert f"  {name} " in out.stdout
     assert _sao("no-such-command").returncode == 2
 
@@ -79,6 +79,7 @@ def test_stack_runs_learner_producers_and_feeder_and_plots(kafka_cfg, tmp_path):
     steps = [json.loads(x) for x in (tmp_path / "learner" / "metrics.jsonl").read_text().splitlines()]
     assert [s["step/index"] for s in steps] == [0, 1, 2]
     assert all(s["batch/trajectories"] == 4 for s in steps)
+    _accounted(tmp_path, kafka_cfg)
     png = tmp_path / "learning.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -110,3 +111,10 @@ def test_group_baselines_through_the_stack_train_whole_groups_with_a_group_advan
         groups = collections.Counter(i.rpartition(".")[0] for i in s["trajectory_ids"])  # <prompt>#<attempt>
         assert set(groups.values()) == {8}, groups  # whole groups only
         assert s["adv/abs_mean"] > 0  # rewards differ within a group: the group advantage is not zero
+    _accounted(tmp_path, kafka_cfg)  # members of groups still incomplete are held in the checkpoint
+
+
+def _accounted(run: Path, kafka_cfg) -> None:
+    """`sao audit` of a stopped stack run finds every id explained."""
+    out = _sao("audit", "--run-dir", str(run / "learner"), kafka_cfg=kafka_cfg)
+    assert out.returncode == 0 and "every id accounted for" in out.stdout, out.stdout[-3000:] + out.stderr[-2000:]

@@ -1,7 +1,8 @@
 """docker-compose.yml: every profile and override validates, the Dockerfiles lint clean, and the CPU
 topology really runs on a Docker engine (started here if none runs): Kafka, topics, learner, three
 hf producers, a vLLM producer on CPU and the feeder; a producer SIGKILLed mid-run loses no prompt;
-`down -v` leaves nothing.
+`down -v` leaves nothing. A second, shorter project on the same image brings up the cluster
+override (three Kafka containers): topics replicated three times, a node SIGKILLed, nothing lost.
 
 `SAO_SKIP_COMPOSE=1` skips the run where no engine can be had; without it, no engine is a failure.
 """
@@ -25,7 +26,8 @@ import yaml
 from sao.broker import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-BASE, PORTS, HOST, GPU = (str(ROOT / f"docker-compose{x}.yml") for x in ("", ".override", ".host", ".gpu"))
+BASE, PORTS, HOST, GPU, CLUSTER = (str(ROOT / f"docker-compose{x}.yml")
+                                   for x in ("", ".override", ".host", ".gpu", ".cluster"))
 PROFILES = ("agent", "rewards", "vllm", "gpu", "monitoring")
 IMAGE = os.environ.get("SAO_IMAGE", "sao-stream:latest")
 
@@ -40,8 +42,9 @@ def _compose(*args: str, env: dict | None = None, check: bool = True, timeout: f
     return out
 
 
-@pytest.mark.parametrize("files", [[BASE, PORTS], [BASE, HOST], [BASE, PORTS, GPU], [BASE, HOST, GPU]],
-                         ids=["default", "host", "gpu", "host+gpu"])
+@pytest.mark.parametrize("files", [[BASE, PORTS], [BASE, HOST], [BASE, PORTS, GPU], [BASE, HOST, GPU],
+                                   [BASE, HOST, CLUSTER]],
+                         ids=["default", "host", "gpu", "host+gpu", "host+cluster"])
 @pytest.mark.parametrize("profile", [None, *PROFILES])
 def test_compose_files_validate_with_every_profile(files, profile):
     args = [a for f in files for a in ("-f", f)] + (["--profile", profile] if profile else [])
@@ -59,7 +62,7 @@ def test_compose_runs_kafka_in_kraft_mode_and_every_service_restarts():
 
 def test_env_example_documents_every_variable_the_compose_files_read():
     used = set()
-    for f in (BASE, PORTS, HOST, GPU):
+    for f in (BASE, PORTS, HOST, GPU, CLUSTER):
         used |= set(re.findall(r"\$\{([A-Z0-9_]+)", Path(f).read_text()))
     documented = set(re.findall(r"^#?\s*([A-Z0-9_]+)=", (ROOT / ".env.example").read_text(), re.M))
     assert used - documented == set(), "undocumented in .env.example"
@@ -205,3 +208,43 @@ def _dead_prompts(bootstrap: str) -> set[str]:
             continue
         ids.add(m.id if isinstance(m, Prompt) else m.prompt_id if isinstance(m, Trajectory) else None)
     return ids - {None}
+
+
+@pytest.mark.timeout(1800)
+def test_cluster_override_replicates_every_topic_and_loses_nothing_to_a_node_sigkill(engine):
+    """docker-compose.cluster.yml: three Kafka containers (`sao broker --node N`), the topics with
+    three replicas and min.insync.replicas 2; one node's process SIGKILLed mid-run (Docker restarts
+    it) and `sao audit`, run in the learner's container, accounts for every prompt."""
+    from tests.cluster_util import free_ports, replication
+
+    t0 = time.monotonic()
+    build = subprocess.run([sys.executable, str(ROOT / "docker" / "build.py"), "--tag", IMAGE, "-q"],
+                           capture_output=True, text=True, timeout=2400)  # cached after the test above
+    assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-4000:]
+    built_s = time.monotonic() - t0
+    name, port = f"saocluster{uuid.uuid4().hex[:8]}", free_ports(6)
+    bootstrap = ",".join(f"127.0.0.1:{port + n}" for n in range(3))
+    env = {"SAO_IMAGE": IMAGE, "SAO_KAFKA_PORT": str(port), "SAO_KAFKA_CLUSTER": bootstrap, "SAO_FEED_COUNT": "32",
+           "SAO_MAX_UNFINISHED": "16", "SAO_BATCH_TRAJECTORIES": "8", "SAO_MAX_TOKENS": "8", "SAO_LEARNER_THREADS": "1"}
+    project = ["-p", name, "-f", BASE, "-f", HOST, "-f", CLUSTER]
+    run = lambda *a, **k: _compose(*project, *a, env=env, **k)  # noqa: E731
+
+    def steps() -> list[dict]:
+        out = run("exec", "-T", "learner", "cat", "/runs/learner/metrics.jsonl", check=False).stdout
+        return [json.loads(line) for line in out.splitlines() if line.strip()]
+    try:
+        run("up", "-d", "--no-build", timeout=600)
+        assert set(replication(bootstrap).values()) == {(3, "2")}
+        _wait("a learner step", lambda: len(steps()) >= 1, 600, project)
+        [node] = run("ps", "-q", "kafka-2").stdout.split()
+        inspect = lambda field: subprocess.run(["docker", "inspect", "-f", field, node], capture_output=True,  # noqa: E731
+                                               text=True, check=True).stdout.strip()
+        os.kill(int(inspect("{{.State.Pid}}")), signal.SIGKILL)
+        _wait("all 32 prompts trained", lambda: sum(len(s["trajectory_ids"]) for s in steps()) >= 32, 600, project)
+        audit = run("exec", "-T", "learner", "sao", "audit", "--run-dir", "/runs/learner", check=False)
+        assert audit.returncode == 0, audit.stdout[-3000:] + audit.stderr[-2000:]
+        assert int(inspect("{{.RestartCount}}")) >= 1, "the killed Kafka node was not restarted"
+        print(f"\ncompose cluster: image {built_s:.0f} s; kafka-2 SIGKILLed after step 1, restarted; "
+              f"total {time.monotonic() - t0:.0f} s\n{audit.stdout}", flush=True)
+    finally:
+        _compose(*project, "down", "-v", "--remove-orphans", "--timeout", "30", env=env, check=False, timeout=300)

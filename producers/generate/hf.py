@@ -10,8 +10,10 @@ B rows costs far less than B forwards, throughput rises with the number of reque
 
 Weights may change between any two decode steps: each step holds `_step_lock`; `load_weights`
 reads and checks the file without it, queues the swap, and the swap happens at the next step
-boundary. Every token records the version that sampled it. The KV cache built under the old
-weights is kept across a swap, as asynchronous engines do.
+boundary, in place (`load_state_dict` copies into the live parameters). What the engine is paused
+for is that copy alone (`last_pause_s`), not the read. Every token records the version that
+sampled it. The KV cache built under the old weights is kept across a swap, as asynchronous
+engines do.
 
 Log-probs are `log_softmax(logits / T)` of the sampled token in float32, after top-k / top-p
 truncation when enabled (then of the renormalised truncated distribution).
@@ -106,6 +108,7 @@ class HFGenerator:
         self.context = getattr(model.config, "max_position_embeddings", None)
         self.max_batch = max_batch
         self._version = version
+        self.last_pause_s = float("nan")  # decoding stopped for the last swap
         self._step_lock = threading.Lock()  # held for one engine step, or one weight swap
         self._pending_lock = threading.Lock()  # guards _pending only; never waits on a step
         self._pending: tuple[dict[str, torch.Tensor], int] | None = None
@@ -153,8 +156,9 @@ class HFGenerator:
             pending, self._pending = self._pending, None
         if pending is not None:
             state, version = pending
-            self.model.load_state_dict(state, strict=True)
-            self._version = version
+            t0 = time.perf_counter()
+            self.model.load_state_dict(state, strict=True)  # names and shapes checked before queuing
+            self._version, self.last_pause_s = version, time.perf_counter() - t0
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams,
                on_token: Callable[[int], None] | None = None) -> Future:

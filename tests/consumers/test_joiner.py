@@ -124,3 +124,25 @@ def test_invalid_rewards_and_trajectories_go_to_the_dlq(running):
     assert "key" in errors[miskeyed]
     publish(kafka, T.REWARDS, [Reward(trajectory_id=tid, reward=0.5)])  # the joiner went on
     assert [m.reward for m in _joined(kafka, tid)] == [0.5]
+
+
+def test_the_joiners_producer_is_idempotent_with_acks_all_like_every_producer_of_ours(kafka_cfg, tmp_path):
+    """faust 0.15 leaves idempotence off under at-least-once; a send retried across a broker
+    failure would then be written twice. The joiner's producer (its outputs, dead letters and
+    changelog writes) is built idempotent, acks=all, with faust's own topics replicated as ours."""
+    import asyncio
+
+    from consumers.joiner import Joiner, JoinerConfig
+    from consumers.metrics import JoinerMetrics
+    from schemas.kafka import replication_now
+
+    joiner = Joiner(JoinerConfig(data_dir=str(tmp_path), kafka=kafka_cfg), JoinerMetrics())
+
+    async def settings() -> tuple:
+        aio = joiner.app.producer._new_producer()  # the client faust starts on its first send
+        try:
+            return aio._txn_manager is not None, aio._sender._acks  # aiokafka keeps both privately
+        finally:
+            await aio.stop()
+    assert asyncio.run(settings()) == (True, -1)
+    assert joiner.app.conf.topic_replication_factor == replication_now(kafka_cfg)[0]

@@ -13,15 +13,16 @@ from pathlib import Path
 
 import msgpack
 import torch
-from safetensors.torch import load_file
 
 from learner.models import tiny_llama
 from producers.envs import make_env
 from producers.episode import play_tasks
 from producers.generate.base import SamplingParams
 from producers.generate.hf import HFGenerator
+from producers.updates import plan, rebuild
 from sao.broker import free_port
 from schemas import topics as T
+from schemas import weights as W
 from schemas.kafka import KafkaConfig, make_consumer, make_producer, produce
 from schemas.messages import Weights
 
@@ -85,21 +86,26 @@ def announcements(cfg: KafkaConfig, timeout: float = 30) -> list[Weights]:
 
 
 def assert_one_policy_per_version(ws: list[Weights]) -> None:
-    """Announced versions never go backwards, and a number repeated names the same bytes."""
+    """Announced versions never go backwards, and a number repeated names the same weights."""
     assert [w.version for w in ws] == sorted(w.version for w in ws)
     by_version = {}
     for w in ws:
-        by_version.setdefault(w.version, set()).add(w.sha256)
+        by_version.setdefault(w.version, set()).add(w.digest)
     assert all(len(s) == 1 for s in by_version.values()), by_version
 
 
-def load_weights(w: Weights) -> dict[str, torch.Tensor]:
-    import hashlib
-    from urllib.parse import urlparse
-    path = urlparse(w.uri).path
-    data = Path(path).read_bytes()
-    assert hashlib.sha256(data).hexdigest() == w.sha256 and len(data) == w.num_bytes
-    return load_file(path)
+def published(ws: list[Weights], version: int | None = None) -> dict[str, torch.Tensor]:
+    """The weights announced as `version` (default: the last one), rebuilt as a producer rebuilds
+    them (an anchor and the deltas after it), every tensor and the digest verified."""
+    target = ws[-1].version if version is None else version
+    state, failed, error = rebuild(plan([w for w in ws if w.version <= target], -1), None)
+    assert failed is None and state is not None and state.version == target, error
+    return {k: W.to_torch(t) for k, t in state.state.items()}
+
+
+def as_published(state: dict[str, torch.Tensor], dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
+    """`state` as the learner publishes it by default."""
+    return {k: v.to(dtype) for k, v in state.items()}
 
 
 def assert_close_state(a: dict, b: dict, rtol: float) -> None:

@@ -50,7 +50,7 @@ def _worker(rank: int, world: int, port: int, out: str, steps: tuple[int, int], 
         update.step(trajs[4 * i: 4 * i + 4])
     ckpt.save(update.step_count, update.state_dict())
     ckpt.wait()
-    full = {name: t for bucket in gather_buckets(policy, bucket_bytes=4096) for name, t in bucket}
+    full = {name: t for bucket in gather_buckets(policy, torch.float32, bucket_bytes=4096) for name, t in bucket}
     if rank == 0:
         torch.save(full, Path(out) / "policy.pt")
     (Path(out) / f"rank{rank}.json").write_text(json.dumps({"tokens": update.rank_tokens}))
@@ -121,7 +121,7 @@ def test_bf16_parameters_keep_float32_master_weights_and_train_like_float32():
                                UpdateConfig(warmup_steps=0, micro_batch_tokens=32))
             metrics[bf16] = update.step(trajs)
             assert {p.dtype for p in update.policy.parameters()} == {torch.float32}
-            assert {t.dtype for b in gather_buckets(update.policy) for _, t in b} == {torch.float32}
+            assert {t.dtype for b in gather_buckets(update.policy, torch.float32) for _, t in b} == {torch.float32}
         assert metrics[True]["step/skipped"] == 0
         for key in ("loss/policy", "loss/value", "dis/kept_frac", "policy/entropy"):
             assert metrics[True][key] == pytest.approx(metrics[False][key], rel=2e-2, abs=1e-3), key
@@ -143,7 +143,7 @@ def test_one_fsdp2_rank_trains_exactly_like_the_plain_modules():
     try:
         update = SAOUpdate(*build_models(tiny_llama(seed=0), True, ParallelConfig(), torch.device("cpu")), cfg)
         update.step(trajs)
-        policy, critic = ({name: t for bucket in gather_buckets(model) for name, t in bucket}
+        policy, critic = ({name: t for bucket in gather_buckets(model, torch.float32) for name, t in bucket}
                           for model in (update.policy, update.critic))
     finally:
         dist.destroy_process_group()

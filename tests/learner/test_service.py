@@ -17,9 +17,10 @@ from learner.models import tiny_llama
 from schemas import topics as T
 from schemas.kafka import make_consumer
 from schemas.messages import DeadLetter, Weights
-from tests.learner.service_util import (ROOT, announcements, assert_close_state, assert_one_policy_per_version,
-                                        final_policy, latest_checkpoint, learner_cmd, load_weights, metrics,
-                                        publish, rollouts, run_learner, sigkill_mid_run, trained_ledger)
+from tests.learner.service_util import (ROOT, announcements, as_published, assert_close_state,
+                                        assert_one_policy_per_version, final_policy, latest_checkpoint, learner_cmd,
+                                        metrics, publish, published, rollouts, run_learner, sigkill_mid_run,
+                                        trained_ledger)
 
 
 def test_learner_trains_on_fresh_rollouts_and_publishes_loadable_versions(kafka_cfg, tmp_path):
@@ -27,15 +28,16 @@ def test_learner_trains_on_fresh_rollouts_and_publishes_loadable_versions(kafka_
     cmd = learner_cmd(kafka_cfg, tmp_path, "--batch-trajectories", "4", "--max-steps", "4")
     learner = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, "OMP_NUM_THREADS": "1"})
-    model, version, sent = tiny_llama(seed=0), -1, 0
+    model, version, sent, seen = tiny_llama(seed=0), -1, 0, []
     consumer = make_consumer(kafka_cfg, "test-producer")
     consumer.subscribe([kafka_cfg.topic(T.WEIGHTS)])
     try:
         while learner.poll() is None and sent < 64:
             msg = consumer.poll(0.2)
             if msg is not None and msg.error() is None:
-                model.load_state_dict(load_weights(Weights.decode(msg.value())))
-                version += 1
+                seen.append(Weights.decode(msg.value()))
+                model.load_state_dict(published(seen))
+                version = seen[-1].version
             if version < 0:
                 continue  # wait for version 0: producers start from the learner's weights
             publish(kafka_cfg, [t.encode() for t in rollouts(2, seed=sent, id_prefix=f"p{sent}-",
@@ -50,8 +52,9 @@ def test_learner_trains_on_fresh_rollouts_and_publishes_loadable_versions(kafka_
     ws = announcements(kafka_cfg)
     assert [w.version for w in ws] == [0, 1, 2, 3, 4]
     assert [w.step for w in ws] == [0, 1, 2, 3, 4]
-    last = load_weights(ws[-1])  # sha256 and size verified inside
-    assert_close_state(last, final_policy(tmp_path), rtol=0)
+    assert [w.base for w in ws] == [-1, 0, 1, 2, 3] and all(w.inline for w in ws)  # an anchor, then deltas
+    last = published(ws)  # every tensor's checksum and the digest verified
+    assert_close_state(last, as_published(final_policy(tmp_path)), rtol=0)  # bf16 by default
     steps = metrics(tmp_path)
     assert len(steps) == 4 and all(s["step/policy_updated"] == 1 for s in steps)
     assert all(0 <= s["stale/max"] <= 8 for s in steps)
@@ -66,8 +69,8 @@ def test_two_gloo_ranks_match_one_rank_after_three_steps(kafka_cfg, tmp_path, ka
         ensure_topics(cfg)
         publish(cfg, payloads)
         run_learner(learner_cmd(cfg, tmp_path / str(nproc), "--batch-trajectories", "4",
-                                "--max-steps", "3", nproc=nproc))
-        finals[nproc] = load_weights(announcements(cfg)[-1])
+                                "--max-steps", "3", "--weights.dtype", "float32", nproc=nproc))
+        finals[nproc] = published(announcements(cfg))
     assert_close_state(finals[2], finals[1], rtol=1e-5)
     assert not all(torch.equal(finals[1][k], tiny_llama(seed=0).state_dict()[k]) for k in finals[1])
 
@@ -106,10 +109,10 @@ def test_sigkill_three_times_trains_every_trajectory_exactly_once(kafka_bootstra
 
     # published weights: each step's policy with the same bytes as in the uninterrupted run, and
     # no version number naming two policies (steps replayed after a crash are numbered anew)
-    published = {name: announcements(c) for name, (c, _) in runs.items()}
-    assert [w.version for w in published["clean"]] == list(range(38))
-    assert {(w.step, w.sha256) for w in published["killed"]} == {(w.step, w.sha256) for w in published["clean"]}
-    assert_one_policy_per_version(published["killed"])
+    announced = {name: announcements(c) for name, (c, _) in runs.items()}
+    assert [w.version for w in announced["clean"]] == list(range(38))
+    assert {(w.step, w.digest) for w in announced["killed"]} == {(w.step, w.digest) for w in announced["clean"]}
+    assert_one_policy_per_version(announced["killed"])
     assert_close_state(final_policy(run_dir), final_policy(runs["clean"][1]), rtol=0)
 
 
@@ -159,7 +162,7 @@ def test_versions_published_after_the_last_checkpoint_are_never_reused(kafka_cfg
     assert after[0].version == before[-1].version + 1 and after[0].step == 0  # the restored (initial) policy
     assert [w.version for w in after] == list(range(after[0].version, after[0].version + 13))
     assert [w.step for w in after] == list(range(13))
-    assert after[0].sha256 == before[0].sha256  # the same policy as version 0, under a new number
+    assert after[0].digest == before[0].digest  # the same policy as version 0, under a new number
     assert_one_policy_per_version(before + after)
     # all rollouts are version 0's: step k is k updates stale, as in a run never killed (the
     # skipped numbers are not updates)
@@ -217,6 +220,7 @@ def test_activation_checkpointing_trains_the_same_step(kafka_cfg, tmp_path, kafk
         cfg = KafkaConfig(bootstrap=kafka_bootstrap, topic_prefix=f"{kafka_cfg.topic_prefix}ac{i}")
         ensure_topics(cfg)
         publish(cfg, payloads)
-        run_learner(learner_cmd(cfg, tmp_path / str(i), "--batch-trajectories", "4", "--max-steps", "1", *flags))
-        finals.append(load_weights(announcements(cfg)[-1]))
+        run_learner(learner_cmd(cfg, tmp_path / str(i), "--batch-trajectories", "4", "--max-steps", "1",
+                                "--weights.dtype", "float32", *flags))
+        finals.append(published(announcements(cfg)))
     assert_close_state(finals[1], finals[0], rtol=1e-6)

@@ -1,51 +1,36 @@
-"""Weight store and checkpointer: atomic files, last K kept, weights streamed bucket by bucket,
+"""Weight store and checkpointer: atomic files, the last K anchors kept with their deltas,
 sharded checkpoints that are snapshots, durable before their `then`, with plain data beside."""
 
 from __future__ import annotations
 
-import hashlib
-import io
 import shutil
-from urllib.parse import urlparse
 
 import msgpack
 import pytest
 import torch
 import torch.distributed as dist
-from safetensors.torch import load, load_file
+from safetensors.torch import load_file
 
 from learner.parallel import init_distributed
-from learner.store import Checkpointer, WeightStore, write_safetensors
+from learner.store import Checkpointer, WeightStore
+from schemas import weights as W
 
 
-def specs_of(state):
-    return {k: (v.dtype, tuple(v.shape)) for k, v in state.items()}
+def _payload(version: int, anchor: bool) -> W.Payload:
+    state = {"w": W.from_torch(torch.full((4,), float(version)))}
+    return W.anchor(state) if anchor else W.delta(state, {"w": W.from_torch(torch.zeros(4))}, version - 1)[0]
 
 
-def test_streamed_safetensors_equal_the_library_and_take_any_bucketing():
-    state = {"a": torch.randn(3, 5), "b": torch.arange(7, dtype=torch.int64),
-             "c": torch.randn(2, 2).to(torch.bfloat16), "d": torch.ones(1, dtype=torch.bool)}
-    items = list(state.items())
-    for buckets in ([items], [[x] for x in items], [items[:3], items[3:]]):
-        f = io.BytesIO()
-        write_safetensors(f, specs_of(state), buckets)
-        loaded = load(f.getvalue())
-        assert loaded.keys() == state.keys() and all(torch.equal(loaded[k], state[k]) for k in state)
-    with pytest.raises(ValueError, match="order"):
-        write_safetensors(io.BytesIO(), specs_of(state), [items[::-1]])
-
-
-def test_weight_store_announces_what_it_wrote_and_keeps_the_last_k(tmp_path):
+def test_weight_store_writes_payloads_atomically_and_keeps_the_last_anchors_with_their_chains(tmp_path):
     store = WeightStore(tmp_path, keep=2)
-    tied = torch.randn(4, 3)
-    for v in range(4):
-        state = {"embed.weight": tied, "lm_head.weight": tied, "b": torch.full((2,), float(v))}
-        w = store.save(specs_of(state), [list(state.items())], v, step=v)
-    path = urlparse(w.uri).path
-    data = open(path, "rb").read()
-    assert (w.version, w.step, w.num_bytes, w.sha256) == (3, 3, len(data), hashlib.sha256(data).hexdigest())
-    assert torch.equal(load_file(path)["lm_head.weight"], tied)  # tied tensors are stored twice
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["v00000002.safetensors", "v00000003.safetensors"]
+    paths = {v: store.save(v, _payload(v, anchor=v % 3 == 0)) for v in range(8)}  # anchors 0, 3, 6
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "v00000003.safetensors", "v00000004.delta.safetensors", "v00000005.delta.safetensors",
+        "v00000006.safetensors", "v00000007.delta.safetensors"]
+    assert store.newest() == 7  # a delta counts: its number is taken
+    decoded, views = W.decode(paths[7].read_bytes())
+    assert decoded.base == 6 and W.to_torch(W.apply(decoded, views, {"w": W.from_torch(torch.zeros(4))})["w"]).tolist() == [7.0] * 4
+    assert load_file(paths[6])["w"].tolist() == [6.0] * 4  # an anchor is a plain safetensors file too
 
 
 @pytest.fixture

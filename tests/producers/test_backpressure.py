@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+from schemas import topics as T
+from schemas.kafka import make_producer
 from schemas.progress import learner_lag
 from tests.learner.service_util import ROOT, learner_cmd, metrics
 from tests.producers.util import wait_until
@@ -67,3 +69,29 @@ def test_rollouts_hold_at_the_bound_while_no_learner_consumes_and_resume_when_on
     assert len(steps) == 12 and steps[-1]["count/stale"] == 0
     # rollouts run at most MAX_LAG trajectories (MAX_LAG / BATCH steps) ahead of the learner
     assert max(s["stale/max"] for s in steps) <= MAX_LAG // BATCH + 1, [s["stale/max"] for s in steps]
+
+
+def test_a_bound_under_one_step_opens_while_the_learner_holds_a_partial_step_and_dead_letters(kafka_cfg, tmp_path):
+    """What the learner has read counts as consumed even before it forms a step: dead letters ahead
+    of the rollouts and the trajectories a partial step holds would otherwise keep a bound smaller
+    than a step (or than the garbage) closed for good."""
+    garbage = make_producer(kafka_cfg)
+    for i in range(5):
+        garbage.produce(kafka_cfg.topic(T.TRAJECTORIES), value=b"not a trajectory %d" % i)
+    garbage.flush(30)
+    bound = 3
+    sim = ("--backend", "sim", "--sim.median-tokens", "6", "--sim.token-s", "0.001", "--max-tokens", "8")
+    feeder = _sao(kafka_cfg, "feed", "--env", "toy-target", "--max-unfinished", "64", "--max-lag", str(bound),
+                  "--poll-s", "0.2")
+    producer = _sao(kafka_cfg, "producer", *sim, "--env", "toy-target", "--concurrency", "2", "--max-lag",
+                    str(bound))
+    learner = subprocess.Popen(learner_cmd(kafka_cfg, tmp_path, "--batch-trajectories", str(BATCH),
+                                           "--max-steps", "3"), cwd=ROOT, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        assert learner.wait(300) == 0, learner.stderr.read()[-3000:]
+    finally:
+        for p in (producer, feeder, learner):
+            p.kill()
+    steps = metrics(tmp_path)
+    assert len(steps) == 3 and steps[-1]["count/dlq"] == 5  # the garbage, read and dead-lettered

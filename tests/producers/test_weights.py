@@ -1,70 +1,73 @@
-"""Weight subscription on the real broker with the real hf generator and tiny models."""
+"""Weight subscription on the real broker with the real hf generator and tiny models: anchors and
+delta chains (inline and in files), refusals that keep the old weights, late starts."""
 
 from __future__ import annotations
 
 import asyncio
-
 import time
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from prometheus_client import CollectorRegistry, generate_latest
 from transformers import DynamicCache
 
 from producers.envs import make_env
 from producers.episode import TrajectoryIds, run_episode
 from producers.generate.base import SamplingParams
 from producers.generate.hf import HFGenerator
+from producers.metrics import weight_update_gauges
 from producers.models import load_model
-from producers.weights import WeightsError, WeightSubscriber, local_path, newest_first, verify
+from producers.weights import WeightSubscriber
+from schemas import weights as W
 from schemas.config import ConfigError
 from schemas.messages import Weights
-from tests.producers.util import announcement, publish, wait_until, write_weights
+from tests.producers.util import announcement, publish, state_of, wait_until, write_weights
 
 PARAMS = SamplingParams(temperature=1.0, max_tokens=12, seed=0)
 PROMPT = [1, 5, 9]
 
 
-def _w(version: int) -> Weights:
-    return Weights(version=version, step=version, uri=f"file:///w/{version}", sha256="0" * 64, num_bytes=1)
+def nudged(state: W.State, seed: int, frac: float = 0.05) -> W.State:
+    """`state` with a `frac` of each tensor's elements moved a little (a training step's worth)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, t in state.items():
+        x = W.to_torch(t).clone()
+        flat = x.view(-1)
+        idx = torch.from_numpy(rng.choice(flat.numel(), max(1, int(frac * flat.numel())), replace=False))
+        flat[idx] += 1e-3
+        out[name] = W.from_torch(x)
+    return out
 
 
-def test_newest_first_keeps_only_newer_versions_newest_first():
-    got = newest_first([_w(1), _w(3), _w(2), _w(5), _w(0)], current=1)
-    assert [w.version for w in got] == [5, 3, 2]
+class Line:
+    """A learner's line of versions, published as the learner does: anchors and deltas, each
+    inline or as a file."""
+
+    def __init__(self, kafka, tmp_path, state: W.State):
+        self.kafka, self.tmp, self.states = kafka, tmp_path, {}
+        self.states[-1] = state
+
+    def publish(self, version: int, state: W.State, base: int = -1, *, inline: bool = True,
+                payload: W.Payload | None = None, digest: str | None = None) -> Weights:
+        if payload is None:
+            payload = W.anchor(state) if base < 0 else W.delta(state, self.states[base], base)[0]
+        self.states[version] = state
+        uri, data = "", payload.to_bytes()
+        if not inline:
+            path = self.tmp / f"v{version}.safetensors"
+            path.write_bytes(data)
+            uri, data = path.resolve().as_uri(), b""
+        w = Weights(version=version, step=version, base=base, uri=uri, payload=data, num_bytes=payload.num_bytes,
+                    digest=digest or W.digest(state), dtype="float32")
+        publish(self.kafka, w)
+        return w
 
 
-@given(st.lists(st.integers(0, 20), max_size=30), st.integers(-1, 20))
-def test_newest_first_property(versions, current):
-    got = [w.version for w in newest_first([_w(v) for v in versions], current)]
-    assert got == sorted({v for v in versions if v > current}, reverse=True)
-
-
-def test_verify_checks_size_and_sha256(tmp_path):
-    path = write_weights(load_model("tiny-llama", seed=1), tmp_path / "w.safetensors")
-    good = announcement(path, 1)
-    assert verify(good) == path
-    with pytest.raises(WeightsError, match="sha256"):
-        verify(announcement(path, 1, sha256="a" * 64))
-    with path.open("r+b") as f:  # flip one byte after the announcement was made
-        f.seek(100)
-        byte = f.read(1)
-        f.seek(100)
-        f.write(bytes([byte[0] ^ 1]))
-    with pytest.raises(WeightsError, match="sha256"):
-        verify(good)
-    with pytest.raises(WeightsError, match="bytes"):
-        verify(Weights(version=1, step=1, uri=good.uri, sha256=good.sha256, num_bytes=1))
-    with pytest.raises(WeightsError, match="cannot read"):
-        verify(Weights(version=1, step=1, uri=(tmp_path / "nope").as_uri(), sha256="0" * 64, num_bytes=1))
-    with pytest.raises(WeightsError, match="only file"):
-        local_path("s3://bucket/w.safetensors")
-
-
-def _same_weights(model: torch.nn.Module, other: torch.nn.Module) -> bool:
-    a, b = model.state_dict(), other.state_dict()
-    return all(torch.equal(a[k], b[k]) for k in a)
+def same_weights(model: torch.nn.Module, state: W.State) -> bool:
+    live = model.state_dict()
+    return live.keys() == state.keys() and all(torch.equal(live[k], W.to_torch(t)) for k, t in state.items())
 
 
 @pytest.fixture
@@ -72,19 +75,149 @@ def gen():
     return HFGenerator(load_model("tiny-llama", seed=0), seed=0)
 
 
-def test_newer_version_is_loaded_older_ignored_corrupt_rejected(kafka_cfg, gen, tmp_path):
+@pytest.fixture
+def v0(gen):
+    return state_of(gen.model)  # the learner's version 0: the same seed's weights
+
+
+def subscribe(kafka_cfg, gen) -> WeightSubscriber:
     sub = WeightSubscriber(kafka_cfg, gen).start()
+    assert sub.caught_up.wait(30)
+    return sub
+
+
+def test_a_delta_chain_is_applied_onto_its_base_inline_or_from_files(kafka_cfg, gen, v0, tmp_path):
+    line, states = Line(kafka_cfg, tmp_path, v0), [v0]
+    line.publish(0, v0, inline=False)
+    sub = subscribe(kafka_cfg, gen)
     try:
-        assert sub.caught_up.wait(30)
+        for v in (1, 2, 3):
+            states.append(nudged(states[-1], seed=v))
+            line.publish(v, states[v], base=v - 1, inline=v != 2)
+            wait_until(lambda: gen.version == v)
+            assert same_weights(gen.model, states[v])  # bit-exact: the deltas lose nothing
+        assert sub.by_source == {"inline": 2, "file": 1, "collective": 0}
+        assert sub.counts["rejected"] == 0 and sub.last["chain"] == 1
+    finally:
+        sub.close()
+
+
+def on_version_1(kafka_cfg, gen, v0, tmp_path) -> tuple[Line, dict, WeightSubscriber]:
+    """An anchor (v0) and a delta (v1) published, and a producer that loaded v1."""
+    line, s = Line(kafka_cfg, tmp_path, v0), {0: v0}
+    line.publish(0, v0)
+    sub = subscribe(kafka_cfg, gen)
+    s[1] = nudged(s[0], 1)
+    line.publish(1, s[1], base=0)
+    wait_until(lambda: gen.version == 1)
+    return line, s, sub
+
+
+def test_a_missing_delta_is_refused_then_the_next_anchor_and_its_chain_load(kafka_cfg, gen, v0, tmp_path):
+    line, s, sub = on_version_1(kafka_cfg, gen, v0, tmp_path)
+    try:
+        s[2] = nudged(s[1], 2)
+        w2 = line.publish(2, s[2], base=1, inline=False)
+        (tmp_path / "v2.safetensors").unlink()  # its file is gone before the producer reads it
+        wait_until(lambda: sub.counts["rejected"] == 1)
+        s[3] = nudged(s[2], 3)
+        line.publish(3, s[3], base=2)  # onto the version it could not load: no way there
+        time.sleep(1.0)
+        assert gen.version == 1 and same_weights(gen.model, s[1])  # nothing half-applied
+        s[4], s[5] = nudged(s[3], 4), nudged(s[3], 5)
+        line.publish(4, s[4])
+        line.publish(5, s[5], base=4)
+        wait_until(lambda: gen.version == 5)
+        assert same_weights(gen.model, s[5])
+        assert w2.version in sub._bad
+    finally:
+        sub.close()
+
+
+def test_deltas_announced_out_of_order_apply_once_their_base_is_there(kafka_cfg, gen, v0, tmp_path):
+    line, s = Line(kafka_cfg, tmp_path, v0), {0: v0}
+    line.publish(0, v0)
+    s[1] = nudged(s[0], 1)
+    s[2] = nudged(s[1], 2)
+    line.states[1] = s[1]
+    sub = subscribe(kafka_cfg, gen)
+    try:
+        line.publish(2, s[2], base=1)  # first, while the producer holds 0
+        time.sleep(1.0)
+        assert gen.version == 0
+        line.publish(1, s[1], base=0)
+        wait_until(lambda: gen.version == 2)
+        assert same_weights(gen.model, s[2]) and sub.last["chain"] == 2  # 1 then 2, loaded once
+    finally:
+        sub.close()
+
+
+def test_an_update_that_does_not_verify_keeps_the_old_weights_serving(kafka_cfg, gen, v0, tmp_path):
+    line, s, sub = on_version_1(kafka_cfg, gen, v0, tmp_path)
+    try:
+        # a delta made against another state than the one announced as its base: every tensor it
+        # changes comes out with the wrong checksum
+        wrong, _ = W.delta(nudged(s[1], 7), nudged(s[1], 8), 1)
+        line.publish(2, nudged(s[1], 7), base=1, payload=wrong)
+        wait_until(lambda: sub.counts["rejected"] == 1)
+        # a right payload under a digest that is not its state's
+        line.publish(3, nudged(s[1], 3), base=1, digest="f" * 64)
+        wait_until(lambda: sub.counts["rejected"] == 2)
+        assert gen.version == 1 and same_weights(gen.model, s[1])
+        out = asyncio.run(gen.generate(PROMPT, PARAMS))
+        assert (out.versions == 1).all()
+    finally:
+        sub.close()
+
+
+def test_a_late_producer_loads_the_newest_anchor_and_the_chain_after_it(kafka_cfg, gen, v0, tmp_path):
+    line, s = Line(kafka_cfg, tmp_path, v0), {0: v0}
+    line.publish(0, v0, inline=False)
+    for v in range(1, 9):
+        s[v] = nudged(s[v - 1], v)
+        line.publish(v, s[v], base=-1 if v == 5 else v - 1, inline=v != 6)
+    (tmp_path / "v0.safetensors").unlink()  # pruned by the learner long ago: not needed
+    sub = subscribe(kafka_cfg, gen)
+    try:
+        assert gen.version == 8 and same_weights(gen.model, s[8])
+        assert sub.last["chain"] == 4 and sub.counts["rejected"] == 0  # anchor 5, then 6, 7, 8
+        assert sub.held_version == 8
+    finally:
+        sub.close()
+
+
+def test_update_figures_separate_the_engine_pause_from_the_fetch_and_are_exported(kafka_cfg, gen, v0, tmp_path):
+    line = Line(kafka_cfg, tmp_path, v0)
+    line.publish(0, v0)
+    sub = subscribe(kafka_cfg, gen)
+    registry = CollectorRegistry()
+    weight_update_gauges(registry, "sao_test", sub)
+    try:
+        line.publish(1, nudged(v0, 1), base=0)
+        wait_until(lambda: gen.version == 1)
+        last = sub.last
+        assert 0 < last["pause_s"] < last["load_s"] and last["fetch_s"] > 0 and last["lag_s"] > 0
+        assert gen.last_pause_s == last["pause_s"]
+        text = generate_latest(registry).decode()
+        assert f'sao_test_weight_last_seconds{{phase="pause"}} {last["pause_s"]}' in text
+        assert f"sao_test_weight_bytes_sum {float(last['bytes'])}" in text
+    finally:
+        sub.close()
+
+
+def test_older_versions_are_ignored_and_undecodable_announcements_counted(kafka_cfg, gen, tmp_path):
+    sub = subscribe(kafka_cfg, gen)
+    try:
         new = load_model("tiny-llama", seed=1)
         publish(kafka_cfg, announcement(write_weights(new, tmp_path / "v2.safetensors"), 2))
         wait_until(lambda: gen.version == 2)
-        assert _same_weights(gen.model, new)
+        assert same_weights(gen.model, state_of(new))
         publish(kafka_cfg, announcement(write_weights(load_model("tiny-llama", seed=5),
                                                       tmp_path / "v1.safetensors"), 1))
         wait_until(lambda: sub.counts["ignored"] == 1)
         publish(kafka_cfg, b"\x93not a weights message")
         wait_until(lambda: sub.counts["invalid"] == 1)
+        assert gen.version == 2
     finally:
         sub.close()
     assert sub.error is None
@@ -94,35 +227,12 @@ def test_weights_of_another_architecture_stop_the_subscription_with_a_clear_erro
     """A learner on another model is a misconfiguration, not a bad file: the producer must stop
     (its service raises `sub.error`) rather than sample on forever with weights that never change."""
     wrong_shape = write_weights(load_model("tiny-llama-bytes", seed=0), tmp_path / "v3.safetensors")
-    sub = WeightSubscriber(kafka_cfg, gen).start()
+    sub = subscribe(kafka_cfg, gen)
     try:
-        assert sub.caught_up.wait(30)
-        publish(kafka_cfg, announcement(wrong_shape, 3))  # sha256 fine, state dict does not fit
+        publish(kafka_cfg, announcement(wrong_shape, 3))  # verifies, but the state dict does not fit
         wait_until(lambda: sub.error is not None)
         assert isinstance(sub.error, ConfigError) and "architecture" in str(sub.error)
         assert gen.version == 0
-    finally:
-        sub.close()
-
-
-def test_corrupt_weights_are_rejected_and_generation_continues_on_the_old_version(kafka_cfg, gen, tmp_path):
-    old = load_model("tiny-llama", seed=0)
-    sub = WeightSubscriber(kafka_cfg, gen).start()
-    try:
-        assert sub.caught_up.wait(30)
-        path = write_weights(load_model("tiny-llama", seed=1), tmp_path / "v1.safetensors")
-        w = announcement(path, 1)
-        path.write_bytes(path.read_bytes()[:-8] + b"\0" * 8)  # same size, different bytes
-        publish(kafka_cfg, w)
-        wait_until(lambda: sub.counts["rejected"] == 1)
-        out = asyncio.run(gen.generate(PROMPT, PARAMS))
-        assert gen.version == 0 and (out.versions == 0).all()
-        # the tokens' log-probs are those of the old weights
-        ids = torch.tensor([PROMPT + out.token_ids.tolist()])
-        with torch.no_grad():
-            logp = torch.log_softmax(old(ids).logits[0, len(PROMPT) - 1:-1].float(), -1)
-        expected = logp.gather(-1, torch.from_numpy(out.token_ids).long()[:, None])[:, 0].numpy()
-        np.testing.assert_allclose(out.logprobs, expected, atol=1e-4)
     finally:
         sub.close()
 
@@ -131,11 +241,10 @@ def test_a_new_subscriber_starts_from_the_newest_loadable_version(kafka_cfg, gen
     v1 = load_model("tiny-llama", seed=1)
     publish(kafka_cfg, announcement(write_weights(v1, tmp_path / "v1.safetensors"), 1))
     path2 = write_weights(load_model("tiny-llama", seed=2), tmp_path / "v2.safetensors")
-    publish(kafka_cfg, announcement(path2, 2, sha256="b" * 64))  # corrupt newest
-    sub = WeightSubscriber(kafka_cfg, gen).start()
+    publish(kafka_cfg, announcement(path2, 2, digest="b" * 64))  # corrupt newest
+    sub = subscribe(kafka_cfg, gen)
     try:
-        assert sub.caught_up.wait(30)
-        assert gen.version == 1 and _same_weights(gen.model, v1)
+        assert gen.version == 1 and same_weights(gen.model, state_of(v1))
         assert sub.counts == {"loaded": 1, "rejected": 1, "ignored": 0, "invalid": 0}
     finally:
         sub.close()

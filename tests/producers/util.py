@@ -3,7 +3,6 @@ prompts, read topics, and run `sao producer` as a child process."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 import subprocess
@@ -14,25 +13,32 @@ import uuid
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from schemas import topics as T
+from schemas import weights as W
 from schemas.kafka import KafkaConfig, make_producer, produce
 from schemas.messages import Prompt, Weights
 
 REPO = Path(__file__).resolve().parents[2]
 
 
+def state_of(model: torch.nn.Module) -> W.State:
+    """The model's full state dict (HF names) as the learner publishes it, in its own dtype."""
+    return {k: W.from_torch(v.detach().clone()) for k, v in model.state_dict().items()}
+
+
 def write_weights(model: torch.nn.Module, path: Path) -> Path:
-    """The model's full state dict (HF names) as one safetensors file."""
-    save_file({k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}, str(path))
+    """The model's state as an anchor payload file (a safetensors file any reader opens)."""
+    with open(path, "wb") as f:
+        W.anchor(state_of(model)).write(f)
     return path
 
 
-def announcement(path: Path, version: int, *, sha256: str | None = None) -> Weights:
-    data = path.read_bytes()
-    return Weights(version=version, step=version, uri=path.resolve().as_uri(),
-                   sha256=sha256 or hashlib.sha256(data).hexdigest(), num_bytes=len(data))
+def announcement(path: Path, version: int, *, digest: str | None = None) -> Weights:
+    """The announcement of the anchor file at `path`, as the learner makes it."""
+    payload, views = W.decode(path.read_bytes())
+    return Weights(version=version, step=version, uri=path.resolve().as_uri(), dtype="float32",
+                   digest=digest or W.digest(W.apply(payload, views, None)), num_bytes=path.stat().st_size)
 
 
 def full_forward_logprobs(model, tokens, n_new, temperature):

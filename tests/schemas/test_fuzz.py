@@ -29,7 +29,7 @@ def _seeds() -> list[bytes]:
         *(random_trajectory(rng, n, i).encode() for i, n in enumerate([0, 1, 7, 64, 300])),
         Prompt(id="p", env="math", task={"a": 1, "q": "2+2"}).encode(),
         Reward(trajectory_id="t", reward=0.5).encode(),
-        Weights(version=3, step=3, uri="file:///w", sha256="0" * 64, num_bytes=10).encode(),
+        Weights(version=3, step=3, uri="file:///w", digest="0" * 64, num_bytes=10).encode(),
         DeadLetter(source_topic="x", partition=0, offset=1, error="e", payload=b"\x00\xff").encode(),
     ]
 

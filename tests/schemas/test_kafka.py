@@ -127,3 +127,9 @@ def test_one_rule_says_which_kafka_errors_are_worth_a_retry():
                  KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.INVALID_CONFIG):
         assert not transient(KafkaError(code)), code
     assert not transient(KafkaError(KafkaError._TRANSPORT, fatal=True))
+
+
+def test_topics_get_three_replicas_of_which_two_must_take_a_write_once_there_are_three_brokers():
+    from schemas.topics import replication
+
+    assert [replication(n) for n in (1, 2, 3, 5)] == [(1, 1), (2, 1), (3, 2), (3, 2)]

@@ -46,10 +46,12 @@ messages = st.one_of(
               sample=st.just(3), group_size=st.integers(4, 64)),
     st.builds(Reward, trajectory_id=text, reward=finite, token_index=st.one_of(st.none(), st.integers(0, 10**6)),
               source=text, criterion=text, created_at=finite),
-    st.builds(Weights, version=st.integers(0, 2**40), step=st.integers(0, 2**40), uri=text,
-              sha256=st.text("0123456789abcdef", min_size=64, max_size=64),
+    st.builds(Weights, version=st.integers(1, 2**40), step=st.integers(0, 2**40), base=st.integers(-1, 0),
+              uri=text.filter(bool), digest=st.text("0123456789abcdef", min_size=64, max_size=64),
               num_bytes=st.integers(0, 2**50), dtype=st.sampled_from(["float32", "bfloat16"]),
-              created_at=finite),
+              store=text, created_at=finite),
+    st.binary(min_size=1, max_size=300).map(lambda p: Weights(
+        version=3, step=3, base=2, payload=p, digest="e" * 64, num_bytes=len(p))),
     st.builds(DeadLetter, source_topic=text, partition=st.integers(-1, 1000),
               offset=st.integers(-1, 2**62), error=text, payload=st.binary(max_size=200), created_at=finite),
 )
@@ -229,11 +231,31 @@ def test_trailing_bytes_are_refused():
     assert "trailing" in str(e.value)
 
 
-def test_bad_sha256_names_it():
-    w = Weights(version=1, step=1, uri="file:///w", sha256="ab" * 32, num_bytes=1)
-    m = _raw(w)
-    m["sha256"] = "XYZ"
-    assert _field_error(m) == "sha256"
+def test_bad_digest_names_it():
+    m = _raw(Weights(version=1, step=1, uri="file:///w", digest="ab" * 32, num_bytes=1))
+    m["digest"] = "XYZ"
+    assert _field_error(m) == "digest"
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"base": 5}, "base"),  # a delta onto itself
+    ({"base": 7}, "base"),  # onto a newer version
+    ({"base": -2}, "base"),
+    ({"uri": "", "payload": b""}, "payload"),  # the bytes are nowhere
+    ({"payload": b"x"}, "payload"),  # and at a uri too
+    ({"uri": "", "payload": b"xy"}, "payload"),  # not the announced size
+    ({"payload": "text"}, "payload"),
+    ({"sha256": "ab" * 32}, "sha256"),  # an announcement of the old format: refused, not misread
+])
+def test_weights_announcements_name_what_is_inconsistent(change, field):
+    m = _raw(Weights(version=5, step=5, uri="file:///w", digest="ab" * 32, num_bytes=1))
+    assert _field_error(m | change) == field
+
+
+def test_an_inline_delta_round_trips():
+    w = Weights(version=5, step=4, base=4, payload=b"\x00" * 9, digest="cd" * 32, num_bytes=9)
+    got = decode(w.encode())
+    assert (got.version, got.base, got.payload, got.uri, got.inline) == (5, 4, b"\x00" * 9, "", True)
 
 
 def test_not_a_map_is_refused():

@@ -1,0 +1,220 @@
+"""Weight publication off the training thread: snapshot, then anchors and deltas in the background.
+
+The training thread only snapshots the policy (gathered a bucket at a time, copied to the host in
+the published dtype: `snapshot`) and hands it to the `Publisher`, whose own thread encodes it
+(schemas/weights.py: an anchor, or a delta against the version it published last), writes it to
+the weight store or puts it inline, announces it on `sao.weights`, and, with the collective
+transport, broadcasts it to the engines linked to this learner (schemas/collective.py). At most
+one publication is in flight and one queued; a newer snapshot supersedes the queued one (versions
+only increase, so a producer never misses anything it could still use). An anchor is published
+at start, every `--weights.anchor-every` versions, and on `request_anchor`.
+
+Crash safety: a payload file is durable before its announcement, and version numbers continue
+past both the store's newest file and the newest announcement (`newest_announced`), so a delta
+written but never announced is never the base of anything.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from confluent_kafka import TopicPartition
+from torch import nn
+
+from learner.parallel import gather_buckets
+from learner.store import WeightStore
+from schemas import topics as T
+from schemas import weights as W
+from schemas.config import ConfigError
+from schemas.kafka import KafkaConfig, make_consumer, produce
+from schemas.messages import SchemaError, Weights
+from schemas.retry import retrying
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass(kw_only=True)
+class WeightsConfig:
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """Dtype the policy is published in, on every device (float32: producers sample the learner's
+    exact weights, at twice the bytes and with dense deltas)."""
+    anchor_every: int = 20
+    """A full anchor every this many versions (and at start); deltas against the previous version between."""
+    inline_bytes: int = 8 << 20
+    """Updates up to this size travel inside the announcement on sao.weights (no shared volume
+    needed); larger ones are files in --weights-dir."""
+    bucket_mb: int = 256
+    """MiB gathered at a time when snapshotting the policy (host memory above the snapshot itself)."""
+    transport: Literal["files", "collective"] = "files"
+    """collective: also broadcast every update to the engines linked to this learner over
+    torch.distributed (gloo), Kafka still carrying the announcement."""
+    collective_port: int = 29700
+    """collective: the TCP port rank 0 listens on for engines (`--weights.collective-addr` of the
+    producers and `sao serve`)."""
+    collective_timeout_s: float = 30.0
+    """collective: an engine that has not taken an update within this many seconds is dropped
+    from the broadcast (it catches up from anchors and deltas and links again)."""
+
+    def __post_init__(self):
+        for name in ("anchor_every", "bucket_mb"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--weights.{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.inline_bytes < 0 or self.inline_bytes > T.MAX_MESSAGE_BYTES >> 1:
+            raise ConfigError(f"--weights.inline-bytes must be in [0, {T.MAX_MESSAGE_BYTES >> 1}] (half "
+                              f"the largest message sao.weights takes), got {self.inline_bytes}")
+        if self.collective_timeout_s <= 0:
+            raise ConfigError("--weights.collective-timeout-s must be > 0")
+
+
+def snapshot(model: nn.Module, dtype: torch.dtype, bucket_bytes: int,
+             rename: Callable[[str], str] = lambda name: name) -> W.State:
+    """Rank 0: the policy's full state in `dtype` on the host, named by `rename`; {} on the other
+    ranks. A collective (every rank gathers each tensor)."""
+    return {rename(name): W.from_torch(t) for bucket in gather_buckets(model, dtype, bucket_bytes) for name, t in bucket}
+
+
+def announcer(producer, topic: str, timeout_s: float = 60.0) -> Callable[[Weights], None]:
+    """Produce an announcement and return once the broker has it; raise if it does not."""
+    def announce(w: Weights) -> None:
+        errors = []
+        produce(producer, topic, w.encode(), key=w.key, on_delivery=lambda err, _: err and errors.append(err))
+        if producer.flush(timeout_s) or errors:
+            raise RuntimeError(f"weights announcement v{w.version} not delivered within {timeout_s} s: {errors}")
+    return announce
+
+
+def newest_announced(kafka: KafkaConfig, tail: int = 16) -> int:
+    """The highest version among the last `tail` announcements on sao.weights, -1 if none: versions
+    only increase along the topic, so this is the newest any producer may hold."""
+    consumer = make_consumer(kafka, f"{kafka.topic_prefix}-versions-{uuid.uuid4().hex}")
+    try:
+        tp = TopicPartition(kafka.topic(T.WEIGHTS), 0)
+        low, high = retrying(lambda: consumer.get_watermark_offsets(tp, timeout=5, cached=False))
+        consumer.assign([TopicPartition(tp.topic, 0, max(low, high - tail))])
+        newest, position, deadline = -1, max(low, high - tail) - 1, time.monotonic() + 30
+        while position < high - 1 and time.monotonic() < deadline:
+            msg = consumer.poll(0.5)
+            if msg is None or msg.error():
+                continue
+            position = msg.offset()
+            try:
+                newest = max(newest, Weights.decode(msg.value() or b"").version)
+            except SchemaError:
+                pass  # not an announcement this learner can read: it names no version
+        return newest
+    finally:
+        consumer.close()
+
+
+class Publisher:
+    """Encodes, stores or inlines, announces and broadcasts snapshots on its own thread.
+
+    `submit` never blocks on I/O; `wait` returns once everything submitted is announced. A failed
+    publication stops the thread and is raised by the next `submit` or `wait` (a learner whose
+    producers no longer follow it must not train on silently). `last` holds the figures of the
+    last publication; `superseded` counts snapshots replaced before their turn."""
+
+    def __init__(self, cfg: WeightsConfig, store: WeightStore, announce: Callable[[Weights], None],
+                 links=None, extra: dict | None = None):
+        self.cfg, self.store, self.announce, self.links, self.extra = cfg, store, announce, links, extra or {}
+        self.superseded, self.last = 0, {}
+        self.error: BaseException | None = None
+        self._queued: tuple | None = None
+        self._busy = self._closed = False
+        self._anchor_due = True
+        self._prev: W.State | None = None
+        self._prev_version = self._anchor_version = -1
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="weights-publisher", daemon=True)
+        self._thread.start()
+
+    def submit(self, state: W.State, version: int, step: int) -> None:
+        self._raise()
+        with self._cond:
+            self.superseded += self._queued is not None
+            self._queued = (state, version, step)
+            self._cond.notify_all()
+
+    def request_anchor(self) -> None:
+        """Make the next publication an anchor (a fresh start of the chain for every producer)."""
+        with self._cond:
+            self._anchor_due = True
+
+    def wait(self) -> None:
+        with self._cond:
+            while (self._queued is not None or self._busy) and self.error is None:
+                self._cond.wait()
+        self._raise()
+
+    def close(self) -> None:
+        """Stop after the publication in flight; a queued one is dropped (`wait` first to keep it)."""
+        with self._cond:
+            self._closed, self._queued = True, None
+            self._cond.notify_all()
+        self._thread.join()
+        if self.links is not None:
+            self.links.close()
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise RuntimeError("weight publication failed") from self.error
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._queued is None and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                job, self._queued, self._busy = self._queued, None, True
+            try:
+                self._publish(*job)
+            except BaseException as e:  # re-raised in the training thread
+                log.exception("weight publication failed")
+                self.error = e
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+            if self.error is not None:
+                return
+
+    def _publish(self, state: W.State, version: int, step: int) -> None:
+        t0 = time.perf_counter()
+        with self._cond:
+            anchor = (self._anchor_due or self._prev is None
+                      or version - self._anchor_version >= self.cfg.anchor_every)
+            self._anchor_due &= not anchor
+        if anchor:
+            payload, result = W.anchor(state, self.extra), state
+        else:
+            payload, result = W.delta(state, self._prev, self._prev_version, self.extra)
+        digest, encoded = W.digest(result), time.perf_counter()
+        inline = payload.num_bytes <= self.cfg.inline_bytes
+        uri = "" if inline else self.store.save(version, payload).resolve().as_uri()
+        w = Weights(version=version, step=step, base=payload.base, digest=digest,
+                    num_bytes=payload.num_bytes, uri=uri, payload=payload.to_bytes() if inline else b"",
+                    store=self.store.root.resolve().as_uri(), dtype=self.cfg.dtype)
+        written = time.perf_counter()
+        self.announce(w)
+        announced = time.perf_counter()
+        linked = self.links.broadcast(version, result) if self.links is not None else []
+        self._prev, self._prev_version = result, version
+        if anchor:
+            self._anchor_version = version
+        full = sum(t.bits.nbytes for t in result.values())
+        self.last = {"weights/published_version": version, "weights/anchor": int(anchor),
+                     "weights/inline": int(inline), "weights/bytes": payload.num_bytes,
+                     "weights/bytes_frac": payload.num_bytes / max(full, 1),
+                     "weights/encode_s": encoded - t0, "weights/write_s": written - encoded,
+                     "weights/announce_s": announced - written,
+                     "weights/broadcast_s": time.perf_counter() - announced, "weights/engines_linked": len(linked),
+                     "weights/superseded": self.superseded}

@@ -1,0 +1,44 @@
+"""Helpers of the tests that run a replicated cluster: a block of free ports, and what a topic's
+replication is."""
+
+from __future__ import annotations
+
+import random
+import socket
+
+from confluent_kafka import TopicPartition
+from confluent_kafka.admin import AdminClient, ConfigResource
+
+from schemas import topics as T
+from schemas.kafka import KafkaConfig, ensure_topics, make_consumer
+from schemas.retry import retrying
+
+
+def free_ports(n: int) -> int:
+    """The first of `n` consecutive ports on 127.0.0.1 free now (`sao broker --node` derives every
+    node's ports from the first)."""
+    while True:
+        first = random.randrange(20000, 60000)
+        try:
+            for port in range(first, first + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+
+
+def replication(bootstrap: str) -> dict[str, tuple[int, str]]:
+    """topic -> (replicas of its partition 0, min.insync.replicas), for every topic of a fresh
+    prefix and for the group offsets' topic."""
+    cfg = KafkaConfig(bootstrap=bootstrap, topic_prefix="repl", settings={})
+    ensure_topics(cfg)
+    consumer = make_consumer(cfg, "finds-its-coordinator")  # which creates the group offsets' topic
+    retrying(lambda: consumer.committed([TopicPartition(cfg.topic(T.PROMPTS), 0)], timeout=10))
+    consumer.close()
+    admin = AdminClient(cfg.client())
+    names = [cfg.topic(t) for t in T.ALL] + ["__consumer_offsets"]
+    md = admin.list_topics(timeout=30)
+    configs = admin.describe_configs([ConfigResource("topic", n) for n in names])
+    return {res.name: (len(md.topics[res.name].partitions[0].replicas), f.result()["min.insync.replicas"].value)
+            for res, f in configs.items()}
