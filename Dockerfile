@@ -16,9 +16,10 @@ ENV PIP_CERT=/etc/ssl/certs/ca-certificates.crt \
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 RUN if [ -n "$EXTRA_CA_CERTS" ]; then printf '%s\n' "$EXTRA_CA_CERTS" >> /etc/ssl/certs/ca-certificates.crt; fi
 
-# Java for `sao broker`, util-linux (unshare) for the sandbox, unless the base image has them.
-RUN if ! command -v java >/dev/null || ! command -v unshare >/dev/null; then \
-      apt-get update && apt-get install -y --no-install-recommends openjdk-17-jre-headless util-linux \
+# Java for `sao broker`, util-linux (unshare) for the sandbox, libnuma for vLLM's CPU kernels,
+# unless the base image has them.
+RUN if ! command -v java >/dev/null || ! command -v unshare >/dev/null || ! ldconfig -p | grep -q libnuma.so.1; then \
+      apt-get update && apt-get install -y --no-install-recommends openjdk-17-jre-headless util-linux libnuma1 \
       && rm -rf /var/lib/apt/lists/*; \
     fi
 

@@ -2,7 +2,7 @@
 
     python docker/build.py [--tag sao-stream:latest] [--base IMAGE] [--dockerfile Dockerfile]
 
-1. the base image: `--base`, else `sao-base:bookworm` made by docker/base-image.sh (debootstrap +
+1. the base image: `--base`, else `sao-base:bookworm-<hash>` made by docker/base-image.sh (debootstrap +
    `docker import`, about three minutes once) standing in for `python:3.11-slim-bookworm`;
 2. the pinned wheels, fetched once into ~/.cache/sao-stream/wheelhouse (docker/wheelhouse.sh);
 3. the Kafka jars from the cache `make install` filled;

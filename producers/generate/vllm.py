@@ -76,8 +76,8 @@ def on_cpu() -> bool:
 
 def unsupported_here() -> str | None:
     """Why this machine cannot run the vllm backend, or None if it can: vLLM installed, and on
-    CPU an x86-64 one with the AVX2 or AVX-512 its CPU build's kernels need (`sao up` picks the
-    backend by it)."""
+    CPU an x86-64 one with the AVX2 or AVX-512 and the libnuma its CPU build's kernels need
+    (`sao up` picks the backend by it)."""
     import importlib.util
     import platform
 
@@ -90,6 +90,10 @@ def unsupported_here() -> str | None:
     flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
     if not flags & {"avx2", "avx512f"}:
         return "the CPU has neither AVX2 nor AVX-512, which vLLM's CPU kernels need"
+    import ctypes.util
+
+    if ctypes.util.find_library("numa") is None:  # else its worker dies at start on a missing torch op
+        return "libnuma.so.1 is missing, which vLLM's CPU kernels link (Debian: apt-get install libnuma1)"
     return None
 
 
