@@ -153,9 +153,14 @@ def test_cpu_topology_trains_survives_a_producer_sigkill_and_leaves_nothing(engi
     bootstrap = f"127.0.0.1:{port}"
     run = lambda *a, **k: _compose(*project, *a, env=env, **k)  # noqa: E731
     try:
-        run("up", "-d", "--no-build", "--scale", "producer=3", timeout=600)
+        # the feeder only once every producer holds the learner's first weights: three hf producers on
+        # a tiny model otherwise play all 160 prompts while vLLM's engine is still starting
+        run("up", "-d", "--no-build", "--scale", "producer=3", "--scale", "feeder=0", timeout=600)
         ps = run("ps", "-q", "producer").stdout.split()
         assert len(ps) == 3, ps
+        _wait("3 hf producers and the vLLM one on the learner's first weights",
+              lambda: len(_producer_versions(project)) == 4, 900, project)
+        run("up", "-d", "--no-build", "--no-deps", "feeder", timeout=300)
 
         def versions_reported():
             weights = [m.version for m in _read_topic(bootstrap, "sao.weights")]

@@ -30,6 +30,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -103,6 +104,14 @@ def cpu_environment(cfg: VLLMConfig) -> None:
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # CPU even where a CUDA plug-in would probe first
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{cfg.kv_cache_gib:g}")  # else 90% of RAM is asked for
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cfg.threads_bind)
+    if not (shutil.which("g++") or shutil.which("c++")):
+        # the sampler's log-prob ranks are torch.compile'd even in an eager engine, and inductor
+        # needs a C++ compiler on CPU (the slim image has none): run those functions eagerly
+        log.info("no C++ compiler: vLLM's torch.compile'd helpers run eagerly (TORCHDYNAMO_DISABLE=1)")
+        os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # workers started fresh read this
+        import torch._dynamo
+
+        torch._dynamo.config.disable = True  # and forked ones inherit this
 
 
 def cpu_refusal(config: dict) -> str | None:
