@@ -147,6 +147,9 @@ def test_cpu_topology_trains_survives_a_producer_sigkill_and_leaves_nothing(engi
     port = free_port()
     env = {"SAO_IMAGE": IMAGE, "SAO_KAFKA_PORT": str(port), "SAO_FEED_COUNT": "160", "SAO_MAX_UNFINISHED": "48",
            "SAO_TINY_HIDDEN_SIZE": "128", "SAO_VLLM_CONCURRENCY": "8",
+           # two steps' worth ahead of the learner: prompts go out as it trains, so every producer,
+           # vLLM's included, plays some on later versions
+           "SAO_MAX_LAG": "16",
            "SAO_BATCH_TRAJECTORIES": "8", "SAO_MAX_TOKENS": "8", "SAO_LOG_EVERY_S": "2",
            "SAO_LR_POLICY": "3e-3", "SAO_LR_CRITIC": "3e-3", "SAO_LEARNER_THREADS": "1", "SAO_LOG_LEVEL": "INFO"}
     project = ["-p", name, "-f", BASE, "-f", HOST, "--profile", "vllm"]
