@@ -119,6 +119,8 @@ def test_elastic_scaling_with_a_member_killed_mid_episode_loses_no_prompt(kafka_
         wait_until(lambda: len(procs["a"].started()) >= 2, timeout=120)
         procs["b"], procs["c"] = Proc(kafka_cfg, "b", *args), Proc(kafka_cfg, "c", *args)  # scale out
         wait_until(lambda: procs["b"].started() and procs["c"].started(), timeout=120)
+        from_c = lambda ts: any(t.producer_id == "c" for t in ts)  # noqa: E731
+        assert from_c(read_topic(kafka_cfg, T.TRAJECTORIES, 0, timeout=120, until=from_c))  # c took part
         seen = len(procs["c"].started())
         wait_until(lambda: len(procs["c"].started()) > seen, timeout=60)  # an episode just began
         killed = procs["c"].started()[-1]

@@ -55,7 +55,8 @@ def _alive(pids: set[int]) -> set[int]:
 def test_a_vllm_producer_feeds_the_learner_with_the_learners_own_log_probs(kafka_cfg, tmp_path):
     # a tiny learner 128 wide: attention heads of 32, which vLLM's CPU kernels serve
     learner = subprocess.Popen(learner_cmd(kafka_cfg, tmp_path, "--model.hidden-size", "128", "--batch-trajectories",
-                                           "8", "--max-steps", "1", "--max-staleness", "-1"),
+                                           "8", "--max-steps", "1", "--max-staleness", "-1",
+                                           "--weights.dtype", "float32"),  # bf16 by default: 1e-4 needs float32
                                cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     publish_prompts(kafka_cfg, make_prompts("toy-target", [{"target": i % 4} for i in range(8)]))
     producer = _sao(kafka_cfg, "producer", "--backend", "vllm", "--model", "learner", "--env", "toy-target",
