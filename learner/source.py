@@ -368,12 +368,11 @@ class TrajectorySource:
         if self.positions == self._reported or self.progress is None:  # None: fed by hand, never started
             return
         self._reported = dict(self.positions)
-        offsets = [TopicPartition(self.topic, p, o) for p, o in self.positions.items()]
-        if offsets:
-            try:
-                self.progress.commit(offsets=offsets, asynchronous=True)
-            except KafkaException as e:
-                log.debug("progress commit: %s", e)
+        offsets = [TopicPartition(self.topic, p, o) for p, o in self.positions.items()]  # never empty here
+        try:
+            self.progress.commit(offsets=offsets, asynchronous=True)
+        except KafkaException as e:
+            log.debug("progress commit: %s", e)
 
     def _release(self, group: str) -> list[Entry]:
         del self.held_since[group]

@@ -31,6 +31,7 @@ from sao.reconcile import Audit, Learned, Topics, reconcile
 from schemas import topics as T
 from schemas.kafka import KafkaConfig, consumer_error, make_consumer
 from schemas.messages import DeadLetter, Prompt, Reward, SchemaError, Trajectory, decode
+from schemas.progress import GroupLag
 from schemas.retry import retrying
 
 
@@ -88,15 +89,13 @@ def read_topic(kafka: KafkaConfig, topic: str, timeout: float) -> list[Record]:
         consumer.close()
 
 
-def committed(kafka: KafkaConfig, group: str, topic: str, partitions: int) -> dict[int, int]:
+def committed(kafka: KafkaConfig, group: str, topic: T.Topic) -> dict[int, int]:
     """partition -> the group's committed offset on `topic` (absent: it committed nothing there)."""
-    consumer = make_consumer(kafka, group)  # never subscribes: reads the group's commits only
+    lag = GroupLag(kafka, topic, group)
     try:
-        tps = [TopicPartition(topic, p) for p in range(partitions)]
-        return {tp.partition: tp.offset for tp in retrying(lambda: consumer.committed(tps, timeout=10))
-                if tp.offset >= 0}
+        return {tp.partition: tp.offset for tp in lag.committed() if tp.offset >= 0}
     finally:
-        consumer.close()
+        lag.close()
 
 
 def decoded(records: list[Record], kind: type) -> dict[tuple[int, int], object | None]:
@@ -131,8 +130,8 @@ def read_topics(cfg: AuditConfig) -> Topics:
         trajectories=decoded(read[T.TRAJECTORIES.suffix], Trajectory),
         rewarded={m.trajectory_id: pos for pos, m in sorted(rewards.items()) if m is not None},
         dead=dead, dead_ids=dead_letter_ids(dead),
-        producers=committed(k, cfg.producer_group, names[T.PROMPTS.suffix], T.PROMPTS.partitions),
-        joiner={t.suffix: committed(k, cfg.joiner, names[t.suffix], t.partitions) for t in (T.PENDING, T.REWARDS)},
+        producers=committed(k, cfg.producer_group, T.PROMPTS),
+        joiner={t.suffix: committed(k, cfg.joiner, t) for t in (T.PENDING, T.REWARDS)},
         timed_out=timed_out(read_topic(k, f"{cfg.joiner}-entries-changelog", cfg.timeout_s)))
 
 

@@ -6,10 +6,11 @@ past: Σ over partitions (high watermark − committed offset), a partition the 
 counted from its low watermark. The reader never joins the group (it only asks for its offsets).
 
 The learner's own group commits only with a durable checkpoint (exactly once, learner/source.py),
-every `--checkpoint-every` steps, too seldom to steer by; so after every step it also commits the
-positions it has consumed to a second group, `<prefix>-learner-progress`, that nothing consumes
-with: `learner_lag(kafka)` is then the trajectories on the topic it has not consumed yet (trained,
-or dropped as stale, duplicate or untrainable), up to date within a step.
+every `--checkpoint-every` steps, too seldom to steer by; so after every step, and while it waits
+for the rest of one, it also commits the positions it has read to a second group,
+`<prefix>-learner-progress`, that nothing consumes with: `learner_lag(kafka)` is then the
+trajectories on the topic it has not read yet (those a partial step holds, and those dead-lettered
+or dropped as stale or duplicate, count as read).
 """
 
 from __future__ import annotations
