@@ -85,8 +85,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "vllm_generation.md")
     args = ap.parse_args()
     torch.set_num_threads(1)  # the hf backend's best on a shared 2-core machine (bench/generation.py)
-    head = (f"SmolLM2-135M-Instruct, {args.tokens} tokens per request, T = 1 [{platform.machine()}, "
-            f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f} at start, {datetime.date.today()}]")
+    head = (f"SmolLM2-135M-Instruct, {args.tokens} tokens per request, T = 1 [{platform.machine()} "
+            f"{torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f} at start, {datetime.date.today()}]")
     print(head, flush=True)
     prompt = Chat(load_tokenizer("smollm2")).prompt_ids([{"role": "user", "content": QUESTION}])
     learner = load_model("smollm2")

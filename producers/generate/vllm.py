@@ -63,8 +63,11 @@ class VLLMConfig:
     """Most requests batched at once."""
     kv_cache_gib: float = 1.0
     """CPU: GiB of KV cache (VLLM_CPU_KVCACHE_SPACE); 1 GiB holds ~46k tokens of SmolLM2-135M."""
-    threads_bind: str = "auto"
-    """CPU: cores of the worker's OpenMP threads (VLLM_CPU_OMP_THREADS_BIND): auto, 0-1, nobind."""
+    threads_bind: str = "all"
+    """CPU: cores of the worker's OpenMP threads (VLLM_CPU_OMP_THREADS_BIND): all (every core this
+    process may use), or vLLM's own auto, a list such as 0-3,6, or nobind. vLLM's auto keeps a core
+    for its engine-core process and takes one vCPU of each SMT pair: one thread on a 2-vCPU machine,
+    where all generated 2.1x as fast at 16 in flight (README, vLLM against hf)."""
     enforce_eager: bool = True
     """No CUDA graphs or torch.compile (on CPU compiling costs ~75 s of start-up and buys nothing here)."""
 
@@ -103,7 +106,7 @@ def cpu_environment(cfg: VLLMConfig) -> None:
     the user exported wins)."""
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # CPU even where a CUDA plug-in would probe first
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{cfg.kv_cache_gib:g}")  # else 90% of RAM is asked for
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cfg.threads_bind)
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", threads_bind(cfg.threads_bind))
     if not (shutil.which("g++") or shutil.which("c++")):
         # the sampler's log-prob ranks are torch.compile'd even in an eager engine, and inductor
         # needs a C++ compiler on CPU (the slim image has none): run those functions eagerly
@@ -112,6 +115,11 @@ def cpu_environment(cfg: VLLMConfig) -> None:
         import torch._dynamo
 
         torch._dynamo.config.disable = True  # and forked ones inherit this
+
+
+def threads_bind(value: str) -> str:
+    """`VLLM_CPU_OMP_THREADS_BIND` for `--vllm.threads-bind`: "all" is the cores this process may run on."""
+    return ",".join(map(str, sorted(os.sched_getaffinity(0)))) if value == "all" else value
 
 
 def cpu_refusal(config: dict) -> str | None:

@@ -8,6 +8,8 @@ producer, the http backend against `vllm serve`) are in test_vllm_pipeline.py.""
 from __future__ import annotations
 
 import asyncio
+import os
+from pathlib import Path
 from types import SimpleNamespace as NS
 
 import numpy as np
@@ -17,7 +19,8 @@ from safetensors.torch import save_file
 
 from producers.generate.base import ArchitectureMismatch, SamplingParams
 from producers.generate.http import InvalidGeneration, versions_from
-from producers.generate.vllm import VLLMGenerator, extract, mismatch, sampling_kwargs
+from producers.generate.vllm import (VLLMGenerator, engine_processes, extract, mismatch, sampling_kwargs,
+                                     threads_bind)
 from producers.models import TINY_LLAMA, tiny_llama
 
 # head size 32: the smallest vLLM's CPU attention kernels serve; tied embeddings, like SmolLM2
@@ -126,6 +129,23 @@ def test_sixteen_requests_in_flight_sample_apart_and_a_poisoned_one_fails_alone(
     assert all(len(g.token_ids) == 12 and np.isfinite(g.logprobs).all() for g in good)
     assert len({tuple(g.token_ids.tolist()) for g in good}) == 16  # per-request seeds
     assert len(generate(gen, PROMPTS[2]).token_ids) == 16  # the engine serves on
+
+
+def test_the_engines_worker_computes_on_every_core_this_process_may_use(engine):
+    # vLLM's own "auto" binding leaves one thread on a 2-vCPU machine (README, vLLM against hf)
+    from vllm.utils.cpu_resource_utils import parse_id_list
+
+    allowed = sorted(os.sched_getaffinity(0))
+    workers = [pid for pid in engine_processes(os.getpid())
+               if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"VLLM::Worker")]
+    assert workers, "no vLLM worker process below this one"
+    for pid in workers:  # vLLM pins each OpenMP thread to one core of its list
+        cores = set()
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            status = (task / "status").read_text()
+            cores |= set(parse_id_list(status.split("Cpus_allowed_list:")[1].split()[0]))
+        assert sorted(cores) == allowed
+    assert threads_bind("all") == ",".join(map(str, allowed)) and threads_bind("0-1|2-3") == "0-1|2-3"
 
 
 def test_a_file_of_another_architecture_is_refused_and_the_old_weights_serve_on(engine):
