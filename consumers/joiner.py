@@ -34,7 +34,7 @@ from consumers import join
 from consumers.metrics import JoinerMetrics
 from schemas import topics as T
 from schemas.config import ConfigError
-from schemas.kafka import KafkaConfig, consumer_error, ensure_topics, make_consumer, replication_now
+from schemas.kafka import KafkaConfig, ensure_topics, make_consumer, read_ranges, replication_now
 from schemas.messages import DeadLetter, Reward, SchemaError, Trajectory, decode
 from schemas.retry import retrying
 
@@ -107,7 +107,7 @@ class Joiner:
     def __init__(self, cfg: JoinerConfig, metrics: JoinerMetrics):
         self.cfg, self.metrics = cfg, metrics
         Path(cfg.data_dir).mkdir(parents=True, exist_ok=True)  # faust makes only the last level
-        big = T.MAX_MESSAGE_BYTES + (1 << 20)
+        big = T.MAX_RECORD_BYTES
         self.app = app = faust.App(
             cfg.app_name, broker=f"kafka://{cfg.kafka.bootstrap}", store=f"{cfg.store}://",
             datadir=cfg.data_dir, topic_partitions=T.PENDING.partitions,
@@ -316,20 +316,9 @@ class Backfill:
         return low  # nothing committed yet: faust starts at the earliest offset
 
     def _read(self, topic: str, partition: int, start: int, end: int) -> list[Input]:
-        self.consumer.assign([TopicPartition(topic, partition, start)])
-        records, deadline = [], time.monotonic() + self.timeout
-        try:
-            while time.monotonic() < deadline:
-                msg = self.consumer.poll(0.5)
-                if msg is None or consumer_error(msg):
-                    continue
-                if msg.offset() >= end:
-                    return records
-                records.append(Input(topic=topic, partition=partition, offset=msg.offset(),
-                                      timestamp=msg.timestamp()[1] / 1000, key=msg.key(), value=msg.value()))
-        finally:
-            self.consumer.unassign()
-        raise TimeoutError(f"{topic}[{partition}] offsets {start}..{end - 1} not read within {self.timeout} s")
+        return [Input(topic=topic, partition=partition, offset=msg.offset(), timestamp=msg.timestamp()[1] / 1000,
+                      key=msg.key(), value=msg.value())
+                for msg in read_ranges(self.consumer, topic, {partition: (start, end)}, timeout=self.timeout)]
 
 
 class Index:

@@ -33,7 +33,7 @@ from learner.store import WeightStore
 from schemas import topics as T
 from schemas import weights as W
 from schemas.config import ConfigError
-from schemas.kafka import KafkaConfig, make_consumer, produce
+from schemas.kafka import KafkaConfig, make_consumer, produce, read_ranges
 from schemas.messages import SchemaError, Weights
 from schemas.retry import retrying
 
@@ -99,17 +99,15 @@ def newest_announced(kafka: KafkaConfig, tail: int = 16) -> int:
     try:
         tp = TopicPartition(kafka.topic(T.WEIGHTS), 0)
         low, high = retrying(lambda: consumer.get_watermark_offsets(tp, timeout=5, cached=False))
-        consumer.assign([TopicPartition(tp.topic, 0, max(low, high - tail))])
-        newest, position, deadline = -1, max(low, high - tail) - 1, time.monotonic() + 30
-        while position < high - 1 and time.monotonic() < deadline:
-            msg = consumer.poll(0.5)
-            if msg is None or msg.error():
-                continue
-            position = msg.offset()
-            try:
-                newest = max(newest, Weights.decode(msg.value() or b"").version)
-            except SchemaError:
-                pass  # not an announcement this learner can read: it names no version
+        newest = -1
+        try:
+            for msg in read_ranges(consumer, tp.topic, {0: (max(low, high - tail), high)}, timeout=30):
+                try:
+                    newest = max(newest, Weights.decode(msg.value() or b"").version)
+                except SchemaError:
+                    pass  # not an announcement this learner can read: it names no version
+        except TimeoutError as e:
+            log.warning("newest announced version: %s; going by version %d", e, newest)
         return newest
     finally:
         consumer.close()

@@ -39,7 +39,7 @@ import re
 import random
 import threading
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,7 +51,7 @@ from producers.envs import env_factory, make_env
 from schemas.retry import retrying
 from schemas import topics as T
 from schemas.config import ConfigError
-from schemas.kafka import FatalKafkaError, KafkaConfig, ensure_topics, make_consumer, make_producer, produce
+from schemas.kafka import FatalKafkaError, KafkaConfig, ensure_topics, make_producer, produce, read_ranges
 from schemas.messages import Prompt, SchemaError
 from schemas.process import stop_on_signals
 from schemas.progress import GroupLag, learner_lag
@@ -189,22 +189,12 @@ class FeedMark(Backlog):
     def _published_since(self, starts: list[TopicPartition]) -> Iterator[tuple[int, int]]:
         """(position, sample) of this feed's prompts from each committed offset to the end."""
         ends = {p: high for p, (_, high) in self.watermarks().items()}
-        todo = [tp for tp in starts if tp.offset < ends[tp.partition]]
-        if not todo:
-            return
-        self.consumer.assign(todo)
-        left = {tp.partition for tp in todo}
-        while left:
-            msg = self.consumer.poll(1.0)
-            if msg is None or msg.error():
-                continue
-            if msg.offset() >= ends[msg.partition()] - 1:
-                left.discard(msg.partition())
+        for msg in read_ranges(self.consumer, self.topic, {tp.partition: (tp.offset, ends[tp.partition]) for tp in starts},
+                               poll_s=1.0):
             headers = dict(msg.headers() or ())
             if headers.get(FEED_HEADER) == self.feed_id.encode():
                 g, s = headers[SAMPLE_HEADER].decode().split(".")
                 yield int(g), int(s)
-        self.consumer.unassign()
 
 
 def groups(cfg: FeedConfig, errors: list[str], start: int = 0,

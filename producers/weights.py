@@ -44,7 +44,7 @@ from schemas import topics as T
 from schemas import weights as W
 from schemas.collective import Link
 from schemas.config import ConfigError
-from schemas.kafka import KafkaConfig, consumer_error, make_consumer
+from schemas.kafka import KafkaConfig, consumer_error, make_consumer, read_ranges
 from schemas.messages import SchemaError, Weights
 from schemas.retry import retrying
 
@@ -178,22 +178,14 @@ class WeightSubscriber:
         got, end, window = [], high, 64
         while end > low and sum(w.base < 0 for w in got) < self.keep_anchors and not self._stop.is_set():
             start = max(low, end - window)
-            got = self._read(consumer, TopicPartition(tp.topic, 0, start), end) + got
+            got = self._read(consumer, tp.topic, start, end) + got
             end, window = start, 4 * window
         consumer.assign([TopicPartition(tp.topic, 0, high)])
         return got
 
-    def _read(self, consumer, tp: TopicPartition, end: int) -> list[Weights]:
-        consumer.assign([tp])
-        got, position = [], tp.offset - 1
-        while position < end - 1 and not self._stop.is_set():
-            msg = consumer.poll(self.poll_s)
-            if msg is None or msg.error():
-                continue
-            position = msg.offset()
-            if position < end and (w := self._decode(msg)) is not None:
-                got.append(w)
-        return got
+    def _read(self, consumer, topic: str, start: int, end: int) -> list[Weights]:
+        msgs = read_ranges(consumer, topic, {0: (start, end)}, stop=self._stop, poll_s=self.poll_s)
+        return [w for msg in msgs if (w := self._decode(msg)) is not None]
 
     def _announced(self, w: Weights) -> None:
         received = self._receive(w) if self._link is not None else False  # a member must always take its broadcast

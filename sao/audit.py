@@ -19,7 +19,6 @@ the table and exits 1 on any id it cannot explain, listing some.
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +28,7 @@ from confluent_kafka import TopicPartition
 
 from sao.reconcile import Audit, Learned, Topics, reconcile
 from schemas import topics as T
-from schemas.kafka import KafkaConfig, consumer_error, make_consumer
+from schemas.kafka import KafkaConfig, make_consumer, read_ranges
 from schemas.messages import DeadLetter, Prompt, Reward, SchemaError, Trajectory, decode
 from schemas.progress import GroupLag
 from schemas.retry import retrying
@@ -72,19 +71,8 @@ def read_topic(kafka: KafkaConfig, topic: str, timeout: float) -> list[Record]:
             return []
         ends = {p: retrying(lambda: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10))
                 for p in found.partitions}
-        todo = {p: end for p, (low, end) in ends.items() if end > low}
-        consumer.assign([TopicPartition(topic, p, ends[p][0]) for p in todo])
-        records, deadline = [], time.monotonic() + timeout
-        while todo:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{topic}: partitions {sorted(todo)} not read to their end in {timeout} s")
-            msg = consumer.poll(1.0)
-            if msg is None or consumer_error(msg) or msg.partition() not in todo:
-                continue
-            records.append(Record(msg.partition(), msg.offset(), msg.key(), msg.value()))
-            if msg.offset() + 1 >= todo[msg.partition()]:
-                del todo[msg.partition()]
-        return records
+        return [Record(m.partition(), m.offset(), m.key(), m.value())
+                for m in read_ranges(consumer, topic, ends, timeout=timeout, poll_s=1.0)]
     finally:
         consumer.close()
 

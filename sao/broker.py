@@ -30,7 +30,7 @@ from pathlib import Path
 from schemas.config import ConfigError
 from schemas.kafka import KafkaConfig, wait_for_broker
 from schemas.process import stop_on_signals
-from schemas.topics import replication
+from schemas.topics import MAX_RECORD_BYTES, replication
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +118,8 @@ def server_properties(node_id: int, data: Path, port: int, controller_port: int,
         f"min.insync.replicas={min_isr}",
         "group.initial.rebalance.delay.ms=0",  # members join at once instead of after 3 s
         "auto.create.topics.enable=false",  # topics are created explicitly, with their configs
-        f"message.max.bytes={65 << 20}",
-        f"replica.fetch.max.bytes={65 << 20}",
+        f"message.max.bytes={MAX_RECORD_BYTES}",
+        f"replica.fetch.max.bytes={MAX_RECORD_BYTES}",
         "num.partitions=1",
         "",
     ])

@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from schemas.topics import MAX_MESSAGE_BYTES
+
 # Per-token arrays and their fixed little-endian dtypes.
 TOKEN_ARRAYS: dict[str, np.dtype] = {
     "tokens": np.dtype("<i4"),
@@ -33,7 +35,7 @@ class SchemaError(ValueError):
 class Limits:
     """Bounds on what a decoder accepts, so a few-byte message can never allocate gigabytes."""
 
-    max_message_bytes: int = 64 << 20
+    max_message_bytes: int = MAX_MESSAGE_BYTES
     """Largest encoded message."""
     max_tokens: int = 1 << 20
     """Longest trajectory in tokens."""

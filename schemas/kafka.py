@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from . import topics as T
@@ -53,7 +54,7 @@ def make_producer(cfg: KafkaConfig, **overrides) -> Producer:
         "acks": "all",
         "compression.type": "lz4",
         "linger.ms": 5,  # small batching window; trajectories arrive one at a time
-        "message.max.bytes": T.MAX_MESSAGE_BYTES + (1 << 20),  # room for the record overhead
+        "message.max.bytes": T.MAX_RECORD_BYTES,
         **overrides,
     }))
 
@@ -73,8 +74,8 @@ def make_consumer(cfg: KafkaConfig, group_id: str, **overrides) -> Consumer:
         "heartbeat.interval.ms": 500,
         "max.poll.interval.ms": 600_000,  # a training step or an episode may take minutes
         "topic.metadata.refresh.interval.ms": 10_000,  # a deleted topic surfaces in seconds, not 5 min
-        "fetch.max.bytes": T.MAX_MESSAGE_BYTES + (1 << 20),
-        "max.partition.fetch.bytes": T.MAX_MESSAGE_BYTES + (1 << 20),
+        "fetch.max.bytes": T.MAX_RECORD_BYTES,
+        "max.partition.fetch.bytes": T.MAX_RECORD_BYTES,
         **overrides,
     }))
 
@@ -158,6 +159,41 @@ def consumer_error(msg: Message) -> bool:
         raise FatalKafkaError(f"Kafka: {err.str()}" + (f" (topic {msg.topic()})" if msg.topic() else ""))
     log.warning("consumer: %s", err)
     return True
+
+
+def read_ranges(consumer: Consumer, topic: str, ranges: Mapping[int, tuple[int, int]], *,
+                timeout: float | None = None, stop: threading.Event | None = None,
+                poll_s: float = 0.5) -> Iterator[Message]:
+    """The messages of `topic` at offsets start <= offset < end of each partition's (start, end)
+    in `ranges`, in order within a partition, read by `consumer` assigned to those partitions alone
+    (unassigned afterwards, so a reader outside any group can be reused). A partition is done once
+    its position reaches its end, so offsets without a message (compacted away, transaction
+    markers) do not hold the read. Raises TimeoutError after `timeout` seconds (None: no limit);
+    ends early once `stop` is set."""
+    todo = {p: end for p, (start, end) in ranges.items() if end > start}
+    if not todo:
+        return
+    consumer.assign([TopicPartition(topic, p, ranges[p][0]) for p in todo])
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        while todo and not (stop is not None and stop.is_set()):
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"{topic}: partitions {sorted(todo)} not read to their end in {timeout} s")
+            msg = consumer.poll(poll_s)
+            if msg is None or consumer_error(msg):
+                for tp in consumer.position([TopicPartition(topic, p) for p in todo]):
+                    if tp.offset >= todo[tp.partition]:
+                        del todo[tp.partition]
+                continue
+            p = msg.partition()
+            if p not in todo:
+                continue
+            if msg.offset() < todo[p]:
+                yield msg
+            if msg.offset() + 1 >= todo[p]:
+                del todo[p]
+    finally:
+        consumer.unassign()
 
 
 def produce(producer: Producer, topic: str, value: bytes, key: bytes | None = None,

@@ -2,7 +2,8 @@
 a bounded backoff, `retrying`) and which are not (the caller stops with a clear message).
 
 Transient: a just-created topic electing its leader, a leader or group coordinator moving to
-another broker or still loading, a broker down or unreachable for a while, a request timing out,
+another broker or still loading, a new leader whose high watermark has not caught up yet (its
+offsets are withheld until it has), a broker down or unreachable for a while, a request timing out,
 a consumer group rebalancing under a commit. Everything else (authentication, authorisation, a
 topic that does not exist, a fatal client error) is not worth a retry.
 """
@@ -26,6 +27,7 @@ TRANSIENT = {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABL
              KafkaError.REQUEST_TIMED_OUT, KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN,
              KafkaError._DESTROY_BROKER,
              KafkaError.NOT_ENOUGH_REPLICAS, KafkaError.NOT_ENOUGH_REPLICAS_AFTER_APPEND,
+             KafkaError.OFFSET_NOT_AVAILABLE, KafkaError.FENCED_LEADER_EPOCH, KafkaError.UNKNOWN_LEADER_EPOCH,
              KafkaError.REBALANCE_IN_PROGRESS, KafkaError.ILLEGAL_GENERATION, KafkaError.UNKNOWN_MEMBER_ID}
 
 

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-MAX_MESSAGE_BYTES = 64 << 20  # matches schemas.messages.Limits.max_message_bytes
+MAX_MESSAGE_BYTES = 64 << 20
+"""The largest message any topic takes, and the codec's limit (schemas.fields.Limits)."""
+MAX_RECORD_BYTES = MAX_MESSAGE_BYTES + (1 << 20)
+"""The largest message with room for its record overhead: what clients and brokers are set to
+send, fetch and store (librdkafka, aiokafka, the embedded broker, docker-compose's Kafka)."""
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from sao.broker import free_port
+from schemas import topics as T
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE, PORTS, HOST, GPU, CLUSTER = (str(ROOT / f"docker-compose{x}.yml")
@@ -56,6 +57,7 @@ def test_compose_runs_kafka_in_kraft_mode_and_every_service_restarts():
     env = spec["services"]["kafka"]["environment"]
     assert spec["services"]["kafka"]["image"].endswith("apache/kafka:4.1.0}")
     assert "controller" in env["KAFKA_PROCESS_ROLES"] and "broker" in env["KAFKA_PROCESS_ROLES"]
+    assert env["KAFKA_MESSAGE_MAX_BYTES"] == env["KAFKA_REPLICA_FETCH_MAX_BYTES"] == T.MAX_RECORD_BYTES
     for name, svc in spec["services"].items():
         assert svc.get("restart") in ("unless-stopped", "on-failure"), name
 
