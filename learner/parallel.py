@@ -29,7 +29,7 @@ class ParallelConfig:
     """cpu | cuda (each rank takes cuda:LOCAL_RANK)."""
     mixed_precision: bool | None = None
     """bf16 parameters in forward and backward, fp32 master weights and gradient reduction in
-    FSDP2; None: on for cuda, off for cpu."""
+    FSDP2; None: on for cuda, off for cpu (bench/learner_precision.py: 14x slower on an AVX2 CPU)."""
     activation_checkpointing: bool = False
     """Recompute each decoder block's activations in backward (GPUs, long sequences)."""
     gather_once: bool | None = None

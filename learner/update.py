@@ -42,8 +42,8 @@ from learner.gae import adaptive_lambda, skip_observation_gae, whiten
 from learner.logprobs import Batch, collate, token_logprobs, token_rewards
 from learner.microbatch import StepPlan, StepStats, plan_step
 from learner.parallel import accumulate
-from learner.value import (ValueModel, critic_values, freeze_attention, value_diagnostics, value_loss,
-                           value_moments_by_position)
+from learner.value import (ValueModel, critic_values, freeze_attention, param_kinds, value_diagnostics,
+                           value_loss, value_moments_by_position)
 from schemas.messages import Trajectory
 
 @dataclass(kw_only=True)
@@ -174,6 +174,19 @@ def guarded_step(model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_no
     return stepped, grad_norm.item()
 
 
+def grad_norms(kinds: dict[str, list[nn.Parameter]]) -> dict[str, float]:
+    """The gradient norm of each group of parameters, before clipping (global under FSDP2: every
+    rank holds the same groups); groups without gradients are left out. The groups of one model
+    combine in quadrature to its total norm."""
+    out = {}
+    for kind, params in kinds.items():
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads:
+            norm = torch.nn.utils.get_total_norm(grads)
+            out[kind] = (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
+    return out
+
+
 def step_is_finite(trajs: Sequence[Trajectory], totals: np.ndarray) -> bool:
     """Every trajectory's total reward and every action token's rollout log-prob is finite. Every
     rank holds the whole step, so every rank reaches the same answer without a collective."""
@@ -211,6 +224,9 @@ class SAOUpdate:
         self.device = next(policy.parameters()).device
         if critic is not None and s.freeze_critic_attention:
             freeze_attention(critic)
+        # gradient norms by parameter kind (SAO.md §5: a critic's attention gradients are the volatile ones)
+        self.kinds = {name: {k: ps for k, ps in param_kinds(m).items() if any(p.requires_grad for p in ps)}
+                      for name, m in (("policy", policy), ("critic", critic)) if m is not None}
         self.policy_opt = _adamw(policy, cfg.lr_policy, cfg.weight_decay)
         self.critic_opt = _adamw(critic, cfg.lr_critic, cfg.weight_decay) if critic else None
         self.running_mean = (RunningMean(cfg.window, cfg.running_mean_scope == "prompt")
@@ -294,7 +310,7 @@ class SAOUpdate:
 
     def _critic_steps(self, mbs: list[MicroBatch], plan: StepPlan) -> tuple[bool, dict[str, float]]:
         cfg, K = self.cfg, self.settings.critic_updates
-        applied, grad_norm, stats = 0, math.nan, StepStats()
+        applied, grad_norm, stats, by_kind = 0, math.nan, StepStats(), {}
         for _ in range(K):
             stats = StepStats()
             for mb in accumulate(self.critic, mbs):
@@ -304,13 +320,14 @@ class SAOUpdate:
                                   num_tokens=plan.num_tokens, num_seqs=plan.num_seqs)
                 loss.backward()  # accumulates; reduce-scattered per micro-batch or once (accumulate)
                 stats.add({"loss/value": loss})
+            by_kind = grad_norms(self.kinds["critic"])
             stepped, grad_norm = guarded_step(self.critic, self.critic_opt, cfg.critic_clip,
                                               stats.sums["loss/value"])
             if not stepped:
                 break
             applied += 1
-        return applied == K, stats.reduce() | {"grad_norm/critic": grad_norm,
-                                               "step/critic_updates": applied}
+        return applied == K, stats.reduce() | _by_kind("critic", by_kind) | {
+            "grad_norm/critic": grad_norm, "step/critic_updates": applied}
 
     def _policy_step(self, mbs: list[MicroBatch], plan: StepPlan,
                      update: bool) -> tuple[bool, dict[str, float]]:
@@ -348,9 +365,10 @@ class SAOUpdate:
         metrics = {"grad_norm/policy": math.nan}
         if not update:  # critic warm-up: the policy stays bit-identical
             return True, stats.reduce() | metrics
+        by_kind = grad_norms(self.kinds["policy"])
         stepped, grad_norm = guarded_step(self.policy, self.policy_opt, cfg.max_grad_norm,
                                           stats.sums["loss/policy"])
-        return stepped, stats.reduce() | {"grad_norm/policy": grad_norm,
+        return stepped, stats.reduce() | _by_kind("policy", by_kind) | {"grad_norm/policy": grad_norm,
                                           "step/policy_updated": int(stepped)}
 
     def state_dict(self, *, optimizers: Collection[str] | None = None) -> dict:
@@ -383,6 +401,11 @@ class SAOUpdate:
                 set_optimizer_state_dict(self.critic, self.critic_opt, state["critic_opt"])
         if self.running_mean:
             self.running_mean.load_state_dict(state["running_mean"])
+
+
+def _by_kind(model: str, norms: dict[str, float]) -> dict[str, float]:
+    """grad_norm/<model>_<kind> metrics: the last optimizer step's, as grad_norm/<model>."""
+    return {f"grad_norm/{model}_{kind}": v for kind, v in norms.items()}
 
 
 def _mean(x: Tensor, mask: Tensor, plan: StepPlan) -> Tensor:

@@ -107,18 +107,27 @@ def _owned(module: nn.Module, attention_types: tuple[type, ...],
         yield from _owned(child, attention_types, in_attention, in_mlp)
 
 
-def param_report(model: nn.Module, attention_types: tuple[type, ...] = ()) -> dict[str, dict[str, int]]:
-    """{kind: {"trainable": n, "frozen": n}} in parameter counts, kind one of attention, mlp
-    (dense MLPs and MoE experts), router, norm, embedding, value_head, other; plus "total"."""
-    report: dict[str, dict[str, int]] = defaultdict(lambda: {"trainable": 0, "frozen": 0})
+def param_kinds(model: nn.Module, attention_types: tuple[type, ...] = ()) -> dict[str, list[nn.Parameter]]:
+    """Every parameter once (tied weights once), grouped by the kind of module that owns it:
+    attention, mlp (dense MLPs and MoE experts), router, norm, embedding, value_head, other (the LM
+    head). The groups of `param_report` and of the learner's gradient norms by kind."""
+    kinds: dict[str, list[nn.Parameter]] = defaultdict(list)
     head = set(model.head.parameters()) if isinstance(model, ValueModel) else set()
-    seen: set[nn.Parameter] = set()  # tied weights count once
+    seen: set[nn.Parameter] = set()
     for kind, p in _owned(model, attention_types):
-        if p in seen:
-            continue
-        seen.add(p)
-        for row in ("value_head" if p in head else kind, "total"):
-            report[row]["trainable" if p.requires_grad else "frozen"] += p.numel()
+        if p not in seen:
+            seen.add(p)
+            kinds["value_head" if p in head else kind].append(p)
+    return dict(kinds)
+
+
+def param_report(model: nn.Module, attention_types: tuple[type, ...] = ()) -> dict[str, dict[str, int]]:
+    """{kind: {"trainable": n, "frozen": n}} in parameter counts, by `param_kinds`; plus "total"."""
+    report: dict[str, dict[str, int]] = defaultdict(lambda: {"trainable": 0, "frozen": 0})
+    for kind, params in param_kinds(model, attention_types).items():
+        for p in params:
+            for row in (kind, "total"):
+                report[row]["trainable" if p.requires_grad else "frozen"] += p.numel()
     return dict(report)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -49,7 +50,8 @@ class UpConfig:
     max_tokens: int = 8
     """Tokens per model turn."""
     run_dir: Path = Path("runs/up")
-    """Learner metrics, checkpoints, weights, process logs, report.png and summary.txt."""
+    """Learner metrics, checkpoints, weights, process logs, report.png and summary.txt; on `sao up`'s
+    own broker every run starts afresh (an earlier run's state there is removed)."""
     learner_flags: str = "--update.warmup-steps 5 --update.lr-policy 3e-3 --update.lr-critic 3e-3"
     """Extra `sao learner` flags, space separated."""
     producer_flags: str = "--concurrency 8"
@@ -132,6 +134,20 @@ def supervise(cfg: UpConfig, sup: Supervisor, dash: Dashboard, stop) -> str | No
     return None
 
 
+RUN_STATE = ("learner", "weights", "joiner", "logs", "processes.json", "report.png", "summary.txt")
+"""What one run leaves in its run dir."""
+
+
+def start_afresh(run_dir: Path) -> None:
+    """Remove an earlier run's state from `run_dir`: on a new embedded broker its checkpoints name
+    offsets of topics that are gone, and its metrics would pass for this run's."""
+    old = [run_dir / name for name in RUN_STATE if (run_dir / name).exists()]
+    if old:
+        print(f"sao up: a new run in {run_dir} (the earlier run's state removed)", flush=True)
+    for path in old:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
 def run_up(cfg: UpConfig) -> None:
     ensure_topics(cfg.kafka)
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
@@ -163,5 +179,7 @@ def run_up(cfg: UpConfig) -> None:
 
 
 def run(cfg: UpConfig) -> None:
+    if not cfg.kafka.bootstrap:  # our own broker, new and empty: nothing of an earlier run resumes
+        start_afresh(cfg.run_dir)
     with cluster(cfg.kafka, cfg.broker):
         run_up(cfg)

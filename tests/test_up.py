@@ -71,3 +71,18 @@ def test_up_restarts_a_killed_producer_reports_and_stops_every_child(kafka_cfg, 
     report = subprocess.run([sys.executable, "-m", "sao", "report", str(tmp_path)], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=120)
     assert report.returncode == 0 and "learner steps:" in report.stdout, report.stderr
+
+
+def test_a_new_run_on_its_own_broker_removes_the_earlier_runs_state_and_nothing_else(tmp_path):
+    """A second `make run` must not resume the first: its checkpoints name offsets of a broker
+    that is gone, and its metrics would be read as the new run's."""
+    from sao.up import RUN_STATE, start_afresh
+
+    (tmp_path / "learner" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "learner" / "metrics.jsonl").write_text('{"step/index": 15}\n')
+    (tmp_path / "summary.txt").write_text("old")
+    (tmp_path / "notes.md").write_text("mine")  # not a run's: kept
+    start_afresh(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.md"]
+    assert {"learner", "weights", "joiner", "logs", "summary.txt", "report.png"} <= set(RUN_STATE)
+    start_afresh(tmp_path / "absent")  # a first run: nothing to remove

@@ -84,6 +84,19 @@ def test_warm_up_trains_only_the_critic_for_ten_steps():
     assert not same(policy0, [p.detach() for p in update.policy.parameters()])
 
 
+@pytest.mark.parametrize("algorithm", ["sao", "sao_full_critic"])
+def test_gradient_norms_by_kind_make_up_the_total_and_a_frozen_attention_has_none(algorithm):
+    update = build(algorithm, warmup_steps=0)
+    m = update.step(rollouts(update))
+    for model in ("policy", "critic"):
+        kinds = {k.removeprefix(f"grad_norm/{model}_"): v for k, v in m.items()
+                 if k.startswith(f"grad_norm/{model}_")}
+        assert {"mlp", "norm", "embedding"} <= set(kinds), kinds
+        assert ("attention" in kinds) == (model == "policy" or algorithm == "sao_full_critic"), kinds
+        assert ("value_head" in kinds) == (model == "critic"), kinds
+        assert math.sqrt(sum(v ** 2 for v in kinds.values())) == pytest.approx(m[f"grad_norm/{model}"], rel=1e-5)
+
+
 def test_critic_gradient_clip_is_its_own():
     """A critic clip of 1e-12 leaves Adam's first steps ~1e-4·lr (g ≪ its ε), the default clip (the
     policy's 1.0) lets them move ~lr; the policy's step is the same under both."""
