@@ -316,11 +316,11 @@ def main() -> None:
     saved = {"head": head, "command": " ".join(["python bench/critic_claims.py", *sys.argv[1:]]),
              "args": {"settle": args.settle}, "runs": []}
     t0 = time.perf_counter()
+    data = {task: smollm2_rollouts(n, criterion=task) for task in args.tasks}  # read and scored once a task
     for v in variants(tuple(args.tasks)):
         if v.critic not in args.critics:
             continue
-        trajs = smollm2_rollouts(n, criterion=v.task)
-        train, held = trajs[:args.steps * args.batch], trajs[args.steps * args.batch:]
+        train, held = data[v.task][:args.steps * args.batch], data[v.task][args.steps * args.batch:]
         saved["runs"].append({"variant": asdict(v), "history": one_run(v, source, train, held, args, device)})
         raw.parent.mkdir(parents=True, exist_ok=True)
         raw.write_text(json.dumps(saved))

@@ -178,13 +178,14 @@ def grad_norms(kinds: dict[str, list[nn.Parameter]]) -> dict[str, float]:
     """The gradient norm of each group of parameters, before clipping (global under FSDP2: every
     rank holds the same groups); groups without gradients are left out. The groups of one model
     combine in quadrature to its total norm."""
-    out = {}
+    norms = {}
     for kind, params in kinds.items():
         grads = [p.grad for p in params if p.grad is not None]
         if grads:
             norm = torch.nn.utils.get_total_norm(grads)
-            out[kind] = (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
-    return out
+            norms[kind] = norm.full_tensor() if isinstance(norm, DTensor) else norm
+    # one host sync for all the kinds, not one each
+    return dict(zip(norms, torch.stack(list(norms.values())).tolist())) if norms else {}
 
 
 def step_is_finite(trajs: Sequence[Trajectory], totals: np.ndarray) -> bool:
