@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import socket
+import time
 
 from confluent_kafka import TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource
@@ -38,7 +39,21 @@ def replication(bootstrap: str) -> dict[str, tuple[int, str]]:
     consumer.close()
     admin = AdminClient(cfg.client())
     names = [cfg.topic(t) for t in T.ALL] + ["__consumer_offsets"]
-    md = admin.list_topics(timeout=30)
+    md = _metadata_naming(admin, names)
     configs = admin.describe_configs([ConfigResource("topic", n) for n in names])
     return {res.name: (len(md.topics[res.name].partitions[0].replicas), f.result()["min.insync.replicas"].value)
             for res, f in configs.items()}
+
+
+def _metadata_naming(admin: AdminClient, names: list[str], timeout: float = 60.0):
+    """Cluster metadata once the broker asked knows every topic of `names`: a topic created by
+    another node (the group offsets' topic, by its coordinator) reaches this node's metadata a
+    moment later."""
+    deadline = time.monotonic() + timeout
+    while True:
+        md = admin.list_topics(timeout=30)
+        missing = [n for n in names if n not in md.topics or not md.topics[n].partitions]
+        if not missing or time.monotonic() > deadline:
+            assert not missing, f"not in the metadata after {timeout:.0f} s: {missing}"
+            return md
+        time.sleep(0.5)
