@@ -53,11 +53,12 @@ Curves = dict[str, list[float]]  # one run: RECORDED's short names → per-step 
 
 
 def collapse_step(reward: list[float], loss: list[float], skipped: list[float],
-                  patience: int = 50) -> int | None:
-    """First step of the first run of `patience` steps with the smoothed reward below half its
-    running maximum, or the first step with a non-finite loss or a skipped update; None if stable."""
+                  patience: int = 50, smooth_steps: int = SMOOTH) -> int | None:
+    """First step of the first run of `patience` steps with the reward (its `smooth_steps` trailing
+    mean) below half its running maximum, or the first step with a non-finite loss or a skipped
+    update; None if stable."""
     broken = [i for i, (l, s) in enumerate(zip(loss, skipped)) if not math.isfinite(l) or s]
-    smooth = trailing_mean(reward)
+    smooth = trailing_mean(reward, smooth_steps)
     low = smooth < 0.5 * np.maximum.accumulate(smooth)
     run = 0
     for i, is_low in enumerate(low):
