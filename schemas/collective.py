@@ -7,7 +7,7 @@ itself: it takes a slot number from the store and forms a two-member gloo group 
 under that slot's prefix. One group per engine, not one for all: an engine that dies or stops
 breaks its own group only, so the learner drops it at the first failed or timed-out operation
 and goes on with the others; the engine catches up from anchors and deltas and links again under
-a new slot. (NCCL would keep the bytes on the GPUs; it is not wired here, see README.)
+a new slot. (NCCL would keep the bytes on the GPUs; it is not wired here, see docs/operations.md, Weight transport.)
 
 Per update the learner writes the members it broadcasts to under `sao/bcast/{version}`, then
 queues to each a header (version, bytes) and every tensor's bytes, straight from its snapshot (no
