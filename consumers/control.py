@@ -13,11 +13,11 @@ import uuid
 from dataclasses import dataclass, field
 
 import msgpack
-from confluent_kafka import OFFSET_BEGINNING, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, KafkaException, TopicPartition
 
 from schemas import topics as T
 from schemas.config import ConfigError
-from schemas.kafka import KafkaConfig, consumer_error, ensure_topics, make_consumer, make_producer, produce
+from schemas.kafka import KafkaConfig, consumer_error, ensure_topics, make_consumer, make_producer, produce_and_wait
 
 CONTROL = T.Topic("judge.control", 1)
 
@@ -39,9 +39,12 @@ def decode(data: bytes) -> str | None:
 def set_criterion(kafka: KafkaConfig, criterion: str) -> None:
     ensure_topics(kafka, (CONTROL,))
     producer = make_producer(kafka)
-    produce(producer, kafka.topic(CONTROL), encode(criterion), key=b"criterion")
-    if producer.flush(30):
-        raise TimeoutError("criterion switch not acknowledged by the broker within 30 s")
+    try:
+        err = produce_and_wait(producer, kafka.topic(CONTROL), encode(criterion), b"criterion", timeout=30)
+    except TimeoutError:
+        raise TimeoutError("criterion switch not acknowledged by the broker within 30 s") from None
+    if err is not None:
+        raise KafkaException(err)
 
 
 class CriterionFollower:

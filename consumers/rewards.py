@@ -9,6 +9,7 @@ tables need.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from dataclasses import dataclass, field
 
@@ -16,7 +17,7 @@ from confluent_kafka import Producer
 
 from schemas import topics as T
 from schemas.config import ConfigError
-from schemas.kafka import KafkaConfig, make_producer, produce
+from schemas.kafka import KafkaConfig, make_producer, produce, produce_and_wait
 from schemas.messages import Reward
 
 log = logging.getLogger(__name__)
@@ -44,15 +45,15 @@ class RewardPublisher:
         retries ran out (the cluster down for minutes): a broker outage delays a reward, never
         loses it or stops the caller. False if `stop` came first."""
         while not stop.is_set():
-            outcome: list = []
-            self.send(reward, on_delivery=lambda err, _: outcome.append(err))
-            while not outcome and not stop.is_set():
-                self.producer.flush(1.0)
-            if outcome and outcome[0] is None:
+            try:
+                err = produce_and_wait(self.producer, self.topic, reward.encode(), reward.key, timeout=math.inf,
+                                       stop=stop)
+            except TimeoutError:  # stopped
+                return False
+            if err is None:
                 return True
-            if outcome:
-                log.warning("reward for %s not delivered (%s); sending it again", reward.trajectory_id, outcome[0])
-                stop.wait(1.0)
+            log.warning("reward for %s not delivered (%s); sending it again", reward.trajectory_id, err)
+            stop.wait(1.0)
         return False
 
     def _check(self, err, msg) -> None:

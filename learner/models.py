@@ -1,64 +1,27 @@
-"""Models: tiny random-initialised causal LMs built from transformers configs in code (for tests and
-benchmarks: one Llama-style dense model and one Qwen3-MoE model; nothing is downloaded), and the
-pieces of the torchtitan-style sharded build: the models on the meta device, the critic's initial
-weights from the policy's, and the buffers `to_empty` cannot restore.
-
-Seeding forks the global RNG, so building a model neither depends on nor disturbs it.
+"""The learner's models: the policy named by `--model.*` (from the one catalogue the producers use
+too, schemas/catalogue.py, whose tiny models are re-exported here for tests and benchmarks), and
+the pieces of the torchtitan-style sharded build: the models on the meta device, the critic's
+initial weights from the policy's, and the buffers `to_empty` cannot restore.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PretrainedConfig,
-                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PretrainedConfig
 
 from learner.lora import Lora, adapt, with_adapters
 from learner.parallel import ParallelConfig, broadcast_bytes, materialise, parallelize
 from learner.value import ValueModel
 from schemas.config import ConfigError
-from schemas.models import BYTES_MAX_POSITIONS, check_model, smollm2_gguf
-from schemas.tokenizers import ByteTokenizer
+from schemas.catalogue import TINY_MODELS, build_named, tiny_llama, tiny_qwen3_moe
+from schemas.models import check_model
 
-
-def tiny_llama(*, vocab_size: int = 64, hidden_size: int = 32, num_layers: int = 2,
-               num_heads: int = 4, num_kv_heads: int = 2, max_positions: int = 256,
-               seed: int = 0) -> LlamaForCausalLM:
-    """A dense Llama with grouped-query attention, random weights from `seed`."""
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size,
-                         intermediate_size=2 * hidden_size, num_hidden_layers=num_layers,
-                         num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-                         max_position_embeddings=max_positions, bos_token_id=None,
-                         eos_token_id=None, pad_token_id=None, attn_implementation="sdpa")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return LlamaForCausalLM(config)
-
-
-def tiny_qwen3_moe(*, vocab_size: int = 64, hidden_size: int = 32, num_layers: int = 2,
-                   num_heads: int = 4, num_kv_heads: int = 2, num_experts: int = 4,
-                   experts_per_token: int = 2, max_positions: int = 256,
-                   seed: int = 0) -> Qwen3MoeForCausalLM:
-    """A Qwen3-MoE (q/k norms, top-k routed experts in every layer), random weights from `seed`."""
-    config = Qwen3MoeConfig(vocab_size=vocab_size, hidden_size=hidden_size,
-                            intermediate_size=2 * hidden_size, moe_intermediate_size=hidden_size,
-                            num_hidden_layers=num_layers, num_attention_heads=num_heads,
-                            num_key_value_heads=num_kv_heads, head_dim=hidden_size // num_heads,
-                            num_experts=num_experts, num_experts_per_tok=experts_per_token,
-                            decoder_sparse_step=1, max_position_embeddings=max_positions,
-                            bos_token_id=None, eos_token_id=None, pad_token_id=None,
-                            attn_implementation="sdpa")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return Qwen3MoeForCausalLM(config)
-
-
-TINY_MODELS = {"llama": tiny_llama, "qwen3_moe": tiny_qwen3_moe}
+__all__ = ["TINY_MODELS", "ModelConfig", "build_models", "build_policy", "tiny_llama", "tiny_qwen3_moe"]
 
 
 # ---------------------------------------------------------------------------- sharded build
@@ -128,19 +91,8 @@ class ModelConfig:
 
 def build_policy(cfg: ModelConfig) -> torch.nn.Module:
     """The whole policy named by `cfg`, on the host in float32 (rank 0's source weights)."""
-    dims = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers, seed=cfg.seed)
-    match cfg.name:
-        case "tiny-llama":
-            return tiny_llama(**dims)
-        case "tiny-llama-bytes":  # the producers' text-env tiny model: byte vocabulary, long context
-            return tiny_llama(**dims | {"vocab_size": ByteTokenizer.vocab_size}, max_positions=BYTES_MAX_POSITIONS)
-        case "tiny-qwen3-moe":
-            return tiny_qwen3_moe(**dims)
-    path = smollm2_gguf() if cfg.name == "smollm2" else Path(cfg.name)
-    if path.suffix == ".gguf":
-        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    # a transformers folder, or a hub id resolved in the local cache: never a download
-    return AutoModelForCausalLM.from_pretrained(cfg.name, dtype=torch.float32, local_files_only=True)
+    return build_named(cfg.name, seed=cfg.seed, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                       num_layers=cfg.num_layers)
 
 
 def build_models(source: nn.Module | None, with_critic: bool, parallel: ParallelConfig,

@@ -33,7 +33,7 @@ from learner.store import WeightStore
 from schemas import topics as T
 from schemas import weights as W
 from schemas.config import ConfigError
-from schemas.kafka import KafkaConfig, make_consumer, produce, read_ranges
+from schemas.kafka import KafkaConfig, make_consumer, produce_and_wait, read_ranges
 from schemas.messages import SchemaError, Weights
 from schemas.retry import retrying
 
@@ -85,10 +85,12 @@ def snapshot(model: nn.Module, dtype: torch.dtype, bucket_bytes: int,
 def announcer(producer, topic: str, timeout_s: float = 60.0) -> Callable[[Weights], None]:
     """Produce an announcement and return once the broker has it; raise if it does not."""
     def announce(w: Weights) -> None:
-        errors = []
-        produce(producer, topic, w.encode(), key=w.key, on_delivery=lambda err, _: err and errors.append(err))
-        if producer.flush(timeout_s) or errors:
-            raise RuntimeError(f"weights announcement v{w.version} not delivered within {timeout_s} s: {errors}")
+        try:
+            err = produce_and_wait(producer, topic, w.encode(), w.key, timeout=timeout_s)
+        except TimeoutError as e:
+            err = e
+        if err is not None:
+            raise RuntimeError(f"weights announcement v{w.version} not delivered within {timeout_s} s: {err}")
     return announce
 
 

@@ -54,7 +54,9 @@ class UpdateConfig:
     """sao | sao_k1 (one critic step) | sao_full_critic (critic attention trains) | grpo (group
     advantage, PPO clip vs the learner at batch start) | grpo_dis (group advantage, DIS) |
     running_mean (running-mean baseline, DIS) | vapo (sao with the PPO clip instead of DIS). SAO.md
-    §7, §8."""
+    §7, §8. The PPO clip of grpo and vapo binds only from a batch's second pass
+    (`--update.policy-epochs` ≥ 2); at one pass they train the plain policy gradient of their
+    advantage, with no correction for stale rollouts."""
     preset: Literal["reasoning", "coding"] = "reasoning"
     """DIS band: reasoning keeps 0.7 < r < 6.0, coding keeps 0.2 < r < 4.0 (SAO.md §3)."""
     eps_low: float | None = None
@@ -96,7 +98,11 @@ class UpdateConfig:
     temperature: float = 1.0
     """T at which log-probs are recomputed; must equal the rollout engine's (SAO.md §3)."""
     ppo_clip_eps: float = 0.2
-    """ε of the `grpo` baseline's PPO clip."""
+    """ε of the PPO clip of `grpo` and `vapo`."""
+    policy_epochs: int = 1
+    """Policy optimizer passes over each batch (PPO's epochs). The PPO clip compares each pass with
+    the batch-start weights, so it binds from the second pass on; DIS compares with π_rollout on
+    every pass. Metrics are the last pass's."""
     running_mean_scope: Literal["prompt", "global"] = "prompt"
     """`running_mean` keys its history per prompt id or globally (online settings)."""
     running_mean_window: int | None = None
@@ -118,6 +124,8 @@ class UpdateConfig:
             raise ValueError(f"--critic-max-grad-norm must be > 0, got {self.critic_max_grad_norm}")
         if self.critic_updates < 1:
             raise ValueError(f"--critic-updates must be >= 1, got {self.critic_updates}")
+        if self.policy_epochs < 1:
+            raise ValueError(f"--policy-epochs must be >= 1, got {self.policy_epochs}")
         if self.micro_batch_tokens < 0:
             raise ValueError(f"--micro-batch-tokens must be >= 0, got {self.micro_batch_tokens}")
         low, high = self.eps
@@ -205,6 +213,8 @@ class MicroBatch:
     adv: Tensor | None = None
     returns: Tensor | None = None
     values: Tensor | None = None
+    logp_old: Tensor | None = None
+    """Log-probs under the batch-start weights, from the first policy pass (the PPO clip's π_old)."""
 
 
 class SAOUpdate:
@@ -332,6 +342,16 @@ class SAOUpdate:
 
     def _policy_step(self, mbs: list[MicroBatch], plan: StepPlan,
                      update: bool) -> tuple[bool, dict[str, float]]:
+        """`--update.policy-epochs` optimizer steps on the batch (one forward pass, no step, during
+        the critic warm-up); the metrics of the last."""
+        for _ in range(self.cfg.policy_epochs if update else 1):
+            stepped, metrics = self._policy_pass(mbs, plan, update)
+            if not stepped:
+                break
+        return stepped, metrics
+
+    def _policy_pass(self, mbs: list[MicroBatch], plan: StepPlan,
+                     update: bool) -> tuple[bool, dict[str, float]]:
         cfg, stats = self.cfg, StepStats()
         eps_low, eps_high = cfg.eps
         counts = dict(num_tokens=plan.num_tokens, num_seqs=plan.num_seqs)
@@ -341,9 +361,11 @@ class SAOUpdate:
                 logp, entropy = token_logprobs(self.policy, b, temperature=cfg.temperature,
                                                packed=cfg.packed, chunk_tokens=cfg.logprob_chunk_tokens,
                                                entropy_grad=bool(cfg.entropy_coef))
+                if mb.logp_old is None:  # the first pass: these are the batch-start weights
+                    mb.logp_old = logp.detach()
                 # policy loss: DIS against π_rollout, or the PPO clip against the batch-start weights
                 if self.settings.policy_loss == "ppo_clip":
-                    loss, ppo = ppo_clip_policy_loss(logp, logp.detach(), mb.adv, mask,
+                    loss, ppo = ppo_clip_policy_loss(logp, mb.logp_old, mb.adv, mask,
                                                      cfg.ppo_clip_eps, cfg.loss_agg, **counts)
                     stats.add({f"ppo/{k}": v for k, v in ppo.items()})
                     # grpo ignores π_rollout, but how far it drifted is still worth reporting

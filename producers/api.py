@@ -26,10 +26,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from producers.generate.base import Generation, SamplingParams
+from producers.generate.base import NEUTRAL_SAMPLING, Generation, SamplingParams
 from schemas.http import RequestError  # the one refusal type of both HTTP servers; re-exported here
 
-_NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0}
 _UNSUPPORTED = ("logit_bias", "bad_words", "allowed_token_ids", "min_tokens", "stop", "echo",
                 "guided_json", "guided_regex", "guided_choice", "structured_outputs", "prompt_logprobs",
                 "functions", "function_call", "top_logprobs")
@@ -120,7 +119,7 @@ def parse_sampling(body: dict, n_tokens, max_tokens: int) -> SamplingParams:
     checks the values; refused here is what it cannot express (n, penalties, other samplers)."""
     if body.get("n", 1) != 1:
         raise RequestError("n: only n=1 is served")
-    for name, neutral in _NEUTRAL.items():
+    for name, neutral in NEUTRAL_SAMPLING.items():
         if body.get(name, neutral) != neutral:
             raise RequestError(f"{name}: must be {neutral}; it would change the sampled distribution")
     for name in _UNSUPPORTED:

@@ -47,7 +47,7 @@ from producers.api import RequestError, check_context
 from producers.envs.chat import Chat
 from producers.generate.base import Generation, SamplingParams
 from schemas import topics as T
-from schemas.kafka import KafkaConfig, produce
+from schemas.kafka import KafkaConfig, produce_and_wait
 from schemas.messages import Trajectory
 
 log = logging.getLogger(__name__)
@@ -299,12 +299,11 @@ def kafka_publisher(producer, kafka: KafkaConfig, timeout: float = 30.0) -> Call
     ack; returns the topic, raises if it did not come within `timeout`."""
     def publish(traj: Trajectory) -> str:
         topic = kafka.topic(T.TRAJECTORIES if traj.reward is not None else T.PENDING)
-        acks = []
-        produce(producer, topic, traj.encode(), traj.key, on_delivery=lambda err, msg: acks.append(err))
-        deadline = time.monotonic() + timeout
-        while not acks and time.monotonic() < deadline:
-            producer.poll(0.1)
-        if not acks or acks[0] is not None:
-            raise RuntimeError(f"the broker did not acknowledge it: {acks[0] if acks else 'timed out'}")
+        try:
+            err = produce_and_wait(producer, topic, traj.encode(), traj.key, timeout=timeout)
+        except TimeoutError:
+            err = "timed out"
+        if err is not None:
+            raise RuntimeError(f"the broker did not acknowledge it: {err}")
         return topic
     return publish

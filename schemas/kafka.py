@@ -208,6 +208,24 @@ def produce(producer: Producer, topic: str, value: bytes, key: bytes | None = No
     producer.poll(0)
 
 
+def produce_and_wait(producer: Producer, topic: str, value: bytes, key: bytes | None = None, *,
+                     timeout: float = 30.0, stop: threading.Event | None = None) -> KafkaError | None:
+    """Produce one message and serve the producer's callbacks until the broker acknowledges it: None
+    once the broker has it, the delivery error if librdkafka gave up on it (the caller decides
+    whether to send it again). TimeoutError when neither came within `timeout` seconds or `stop`
+    was set first. For callers that wait on a thread of their own; an asyncio service awaits a
+    future its poll loop settles instead (producers/service.py `deliver`)."""
+    outcome: list[KafkaError | None] = []
+    produce(producer, topic, value, key, on_delivery=lambda err, _: outcome.append(err))
+    deadline = time.monotonic() + timeout
+    while not outcome:
+        if time.monotonic() > deadline or (stop is not None and stop.is_set()):
+            raise TimeoutError(f"no acknowledgement from the broker for {topic} within {timeout:g} s"
+                               if time.monotonic() > deadline else f"stopped before {topic} acknowledged")
+        producer.poll(0.1)
+    return outcome[0]
+
+
 def dead_letter(producer: Producer, cfg: KafkaConfig, msg: Message, error: Exception | str) -> None:
     """Publish an undecodable or invalid message to `sao.dlq` with its bytes, reason and origin.
 

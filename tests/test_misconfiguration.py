@@ -39,7 +39,7 @@ def test_a_misconfiguration_exits_non_zero_naming_the_setting(argv, named, tmp_p
 
 def test_a_producer_whose_model_is_not_the_learners_architecture_stops_at_start(kafka_cfg, tmp_path):
     """The learner announced a 128-token-vocabulary model; this producer runs tiny-llama (64)."""
-    from producers.models import tiny_llama
+    from schemas.catalogue import tiny_llama
     from schemas import topics as T
     from schemas.kafka import make_producer, produce
     from tests.producers.util import announcement, write_weights

@@ -69,6 +69,25 @@ class SamplingParams:
             raise ValueError(f"seed: must be an integer in [0, 2**63 - 1], got {self.seed!r}")
 
 
+NEUTRAL_SAMPLING = {"min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+"""vLLM's settings that reshape the distribution, each at its no-op value: with them, the engine
+samples from exactly softmax(logits / T), truncated only by top-p / top-k, which is what the
+learner recomputes (VLLM.md §3.2)."""
+
+
+def exact_sampling(params: SamplingParams) -> dict:
+    """vLLM's sampling settings for an exact-log-prob RL request: the same names in its
+    completions API (the http backend, `vllm serve`) and its `SamplingParams` (the in-process
+    backend), so the one rule serves both."""
+    kw = {"temperature": params.temperature, "top_p": params.top_p,
+          "top_k": params.top_k if params.top_k > 0 else -1,  # vLLM's off is -1, ours 0
+          **NEUTRAL_SAMPLING, "max_tokens": params.max_tokens, "logprobs": 0,
+          "stop_token_ids": list(params.stop_token_ids), "skip_special_tokens": False}
+    if params.seed is not None:
+        kw["seed"] = params.seed
+    return kw
+
+
 @dataclass(kw_only=True)
 class Generation:
     token_ids: np.ndarray  # (n,) int32

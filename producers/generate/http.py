@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import httpx
 import numpy as np
 
-from producers.generate.base import Generation, SamplingParams
+from producers.generate.base import Generation, SamplingParams, exact_sampling
 
 log = logging.getLogger(__name__)
 
@@ -44,15 +44,8 @@ class InvalidGeneration(ValueError):
 
 def request_body(prompt_ids: Sequence[int], params: SamplingParams, model: str) -> dict:
     """A completions request that samples from exactly `softmax(logits / T)` (VLLM.md §3.2)."""
-    body = {"model": model, "prompt": [int(t) for t in prompt_ids], "max_tokens": params.max_tokens,
-            "temperature": params.temperature, "top_p": params.top_p,
-            "top_k": params.top_k if params.top_k > 0 else -1, "min_p": 0.0,
-            "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-            "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True,
-            "skip_special_tokens": False, "stop_token_ids": list(params.stop_token_ids), "n": 1}
-    if params.seed is not None:
-        body["seed"] = params.seed
-    return body
+    return {"model": model, "prompt": [int(t) for t in prompt_ids], **exact_sampling(params),
+            "return_token_ids": True, "return_tokens_as_token_ids": True, "n": 1}
 
 
 DEFAULT_LABEL = "default"

@@ -43,7 +43,7 @@ from typing import Literal
 
 import numpy as np
 
-from producers.generate.base import ArchitectureMismatch, Generation, SamplingParams, check_request
+from producers.generate.base import ArchitectureMismatch, Generation, SamplingParams, check_request, exact_sampling
 from producers.generate.http import InvalidGeneration, versions_from
 from schemas.config import ConfigError
 
@@ -137,14 +137,7 @@ def refusal(config: dict) -> str | None:
 
 def sampling_kwargs(params: SamplingParams) -> dict:
     """Keyword arguments of `vllm.SamplingParams` for an exact-log-prob RL request."""
-    kw = {"temperature": params.temperature, "top_p": params.top_p,
-          "top_k": params.top_k if params.top_k > 0 else -1, "min_p": 0.0,
-          "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-          "max_tokens": params.max_tokens, "logprobs": 0, "stop_token_ids": list(params.stop_token_ids),
-          "skip_special_tokens": False, "detokenize": False}
-    if params.seed is not None:
-        kw["seed"] = params.seed
-    return kw
+    return {**exact_sampling(params), "detokenize": False}
 
 
 def extract(output) -> tuple[np.ndarray, np.ndarray, list, str]:

@@ -317,6 +317,23 @@ def test_vapo_is_sao_without_the_dis_mask():
     assert "value/explained_var" in vapo and "ppo/clip_frac" in vapo
 
 
+def test_the_ppo_clip_binds_only_from_a_batchs_second_pass():
+    """One pass compares the policy with itself (ratio 1, nothing clipped); a second pass, after a
+    big first step, compares it with the batch-start weights, and the clip binds."""
+    trajs = rollouts(build("grpo"), num_prompts=4, group_size=2)
+    one = build("grpo", lr_policy=0.5).step(trajs)
+    two = build("grpo", lr_policy=0.5, policy_epochs=2).step(trajs)
+    assert one["ppo/clip_frac"] == 0.0 and one["step/policy_updated"] == 1
+    assert two["ppo/clip_frac"] > 0.0 and two["step/policy_updated"] == 1
+    # the passes step the policy twice: its weights differ from the one-pass run's
+    a, b = build("grpo", lr_policy=0.5), build("grpo", lr_policy=0.5, policy_epochs=2)
+    a.step(trajs)
+    b.step(trajs)
+    assert any(not torch.equal(x, y) for x, y in zip(a.policy.parameters(), b.policy.parameters()))
+    with pytest.raises(ValueError, match="policy-epochs"):
+        UpdateConfig(policy_epochs=0)
+
+
 def test_each_algorithm_name_resolves_once_into_its_settings():
     table = {name: algorithm_settings(name, critic_updates=2, warmup_steps=10) for name in
              typing.get_args(Algorithm)}

@@ -2,7 +2,8 @@ import torch
 
 from learner.models import ModelConfig, build_policy, tiny_llama as learner_tiny_llama
 from schemas.tokenizers import ByteTokenizer
-from producers.models import TINY_LLAMA, TINY_LLAMA_BYTES, load_model
+from producers.models import load_model
+from schemas.catalogue import TINY_LLAMA, TINY_LLAMA_BYTES
 from schemas.tokenizers import load_tokenizer
 
 

@@ -27,7 +27,8 @@ from producers.envs.chat import Chat
 from producers.generate.base import SamplingParams
 from producers.generate.hf import HFGenerator
 from producers.generate.http import HttpGenerator
-from producers.models import TINY_LLAMA_BYTES, load_model
+from producers.models import load_model
+from schemas.catalogue import TINY_LLAMA_BYTES
 from producers.api import parse_tool_calls, streamable
 from producers.proxy import Sessions, kafka_publisher
 from producers.serve import ServeConfig, make_server

@@ -21,7 +21,8 @@ from producers.episode import TrajectoryIds, run_episode
 from producers.generate.base import SamplingParams
 from producers.generate.hf import HFGenerator
 from producers.generate.http import HttpGenerator
-from producers.models import TINY_LLAMA, TINY_LLAMA_BYTES, load_model
+from producers.models import load_model
+from schemas.catalogue import TINY_LLAMA, TINY_LLAMA_BYTES
 from schemas.tokenizers import ByteTokenizer, load_tokenizer
 from producers.api import RequestError, parse_request, version_spans
 from producers.serve import chat_template, make_server

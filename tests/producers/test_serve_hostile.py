@@ -12,7 +12,8 @@ import httpx
 import pytest
 
 from producers.generate.hf import HFGenerator
-from producers.models import TINY_LLAMA, load_model
+from producers.models import load_model
+from schemas.catalogue import TINY_LLAMA
 from producers.serve import make_server
 from schemas.http import HttpConfig
 from schemas.tokenizers import load_tokenizer

@@ -21,7 +21,7 @@ from producers.generate.base import ArchitectureMismatch, SamplingParams
 from producers.generate.http import InvalidGeneration, versions_from
 from producers.generate.vllm import (VLLMGenerator, engine_processes, extract, mismatch, sampling_kwargs,
                                      threads_bind)
-from producers.models import TINY_LLAMA, tiny_llama
+from schemas.catalogue import TINY_LLAMA, tiny_llama
 
 # head size 32: the smallest vLLM's CPU attention kernels serve; tied embeddings, like SmolLM2
 TIED = {**TINY_LLAMA, "hidden_size": 128}

@@ -7,12 +7,13 @@ import time
 import uuid
 
 import numpy as np
+import pytest
 from confluent_kafka import TopicPartition
 
 from sao.demo import random_trajectory
 from schemas import topics as T
 from schemas.kafka import (KafkaConfig, decode_or_dead_letter, ensure_topics, make_consumer,
-                           make_producer, passthrough_settings, produce, read_ranges)
+                           make_producer, passthrough_settings, produce, produce_and_wait, read_ranges)
 from schemas.messages import DeadLetter, Trajectory, decode
 
 
@@ -165,3 +166,20 @@ def test_a_range_read_ends_at_offsets_without_messages_and_reads_only_its_range(
         assert list(read_ranges(consumer, topic, {0: (high, high + 5)}, stop=stop)) == []
     finally:
         consumer.close()
+
+
+
+def test_produce_and_wait_returns_once_the_broker_has_the_message_and_times_out_on_a_dead_cluster(kafka_cfg):
+    topic = kafka_cfg.topic(T.DLQ)
+    assert produce_and_wait(make_producer(kafka_cfg), topic, b"acked", b"k") is None
+    assert [m.value() for m in _drain(kafka_cfg, topic, 1)] == [b"acked"]
+    nowhere = make_producer(KafkaConfig(bootstrap="127.0.0.1:1", topic_prefix=kafka_cfg.topic_prefix, settings={}))
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="within 1 s"):
+        produce_and_wait(nowhere, topic, b"never", timeout=1.0)
+    assert time.monotonic() - t0 < 10
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(TimeoutError, match="stopped"):
+        produce_and_wait(nowhere, topic, b"never", timeout=60.0, stop=stop)
+    nowhere.purge()
