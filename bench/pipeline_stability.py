@@ -7,7 +7,9 @@ bench/async_stability.py sweeps staleness on a toy with the lag set exactly, for
 is the same comparison where timing sets the lag: the `make run` task (`writing`, rewarded by the
 `concise` judge), its learning rates, and `--max-lag-steps 4` instead of 2. Every method sees
 `--batch` trajectories a step; `grpo_dis` as groups of `--group-size` rollouts of one prompt, the
-others one rollout per prompt (running_mean's baseline is each prompt's last 8 rewards).
+others one rollout per prompt. running_mean's baseline is the mean of the last 128 rewards of any
+prompt (`--update.running-mean-scope global`, SAO.md §7's online setting): the feeder gives every
+task a fresh prompt id, so a per-prompt history would never see a prompt twice and train nothing.
 
 Budget: on 2 CPU cores a SmolLM2 step takes ~25-45 s, so the default of 20 steps per method is
 ~15 minutes a method and ~45 minutes for the three; one seed each. That is enough to see a trend
@@ -47,6 +49,7 @@ from sao import report  # noqa: E402
 
 METHODS = ("sao", "grpo_dis", "running_mean")
 GROUPED = {"grpo_dis"}  # methods whose baseline is the group's: G rollouts of each prompt
+METHOD_FLAGS = {"running_mean": "--update.running-mean-scope global"}  # prompt ids never repeat here
 RECORDED = {"reward": "reward/mean", "kept": "dis/kept_frac", "stale": "stale/p50", "stale_p99": "stale/p99",
             "ev": "value/explained_var", "entropy": "policy/entropy", "loss": "loss/policy",
             "skipped": "step/skipped", "dropped": "count/stale"}
@@ -56,7 +59,8 @@ Curves = dict[str, list[float]]  # one run: RECORDED's short names → per-step 
 def up_command(method: str, args: argparse.Namespace, run_dir: Path) -> list[str]:
     """The `sao up` run of one method: `make run`'s setting with the bench's lag bound."""
     learner = (f"--update.algorithm {method} --update.warmup-steps {args.warmup} "
-               f"--update.lr-policy {args.lr_policy:g} --update.lr-critic {args.lr_critic:g}")
+               f"--update.lr-policy {args.lr_policy:g} --update.lr-critic {args.lr_critic:g} "
+               f"{METHOD_FLAGS.get(method, '')}").strip()
     cmd = [sys.executable, "-m", "sao", "up", "--model", args.model, "--env", args.env, "--producers", "1",
            "--batch-trajectories", str(args.batch), "--max-tokens", str(args.max_tokens),
            "--steps", str(args.steps), "--max-lag-steps", f"{args.max_lag_steps:g}",
@@ -160,6 +164,8 @@ def main() -> None:
                         help="writes OUT.md and OUT.png")
     parser.add_argument("--raw", type=Path, default=Path("runs/bench/pipeline_stability.json"))
     parser.add_argument("--replot", action="store_true", help="table and PNG from --raw, no training")
+    parser.add_argument("--add", action="store_true",
+                        help="keep the runs --raw holds (same setting) and run only --methods, replacing theirs")
     args = parser.parse_args()
     quick = args.quick
     args.model, args.env, args.judge = ("tiny-llama", "toy-target", "") if quick else ("smollm2", "writing", "concise")
@@ -178,8 +184,14 @@ def main() -> None:
     print(f"pipeline stability: {config}", flush=True)
     raw = {"command": f"python bench/pipeline_stability.py {' '.join(sys.argv[1:])}".strip(), "config": config,
            "elapsed": 0.0, "runs": {}}
+    if args.add and args.raw.exists():
+        kept = json.loads(args.raw.read_text())
+        if kept["config"] != config:
+            raise SystemExit(f"--add: {args.raw} holds another setting:\n  {kept['config']}")
+        raw = kept | {"command": f"{kept['command']}; {raw['command']}",
+                      "runs": {m: r for m, r in kept["runs"].items() if m not in args.methods}}
     args.raw.parent.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
+    start = time.perf_counter() - raw["elapsed"]
     for i, method in enumerate(args.methods, 1):
         run_dir = args.run_root / method
         run_dir.mkdir(parents=True, exist_ok=True)

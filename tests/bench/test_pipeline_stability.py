@@ -30,17 +30,21 @@ def test_a_step_written_again_by_a_resumed_learner_counts_once():
 def test_quick_sweep_runs_each_method_through_sao_up_and_writes_the_table(tmp_path):
     out, raw = tmp_path / "stability", tmp_path / "raw.json"
     result = subprocess.run(
-        [sys.executable, "bench/pipeline_stability.py", "--quick", "--steps", "3", "--methods", "sao", "grpo_dis",
-         "--run-root", str(tmp_path / "runs"), "--out", str(out), "--raw", str(raw), "--timeout", "600"],
-        cwd=ROOT, capture_output=True, text=True, timeout=1300, env=os.environ | {"HF_HUB_OFFLINE": "1"})
+        [sys.executable, "bench/pipeline_stability.py", "--quick", "--steps", "3",
+         "--methods", "sao", "grpo_dis", "running_mean", "--run-root", str(tmp_path / "runs"), "--out", str(out), "--raw", str(raw), "--timeout", "600"],
+        cwd=ROOT, capture_output=True, text=True, timeout=1800, env=os.environ | {"HF_HUB_OFFLINE": "1"})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     rows = [line.split(" | ")[:2] for line in out.with_suffix(".md").read_text().splitlines()
-            if line.startswith("| sao") or line.startswith("| grpo_dis")]
-    assert rows == [["| sao", "3"], ["| grpo_dis", "3"]]
+            if line.startswith(("| sao", "| grpo_dis", "| running_mean"))]
+    assert rows == [["| sao", "3"], ["| grpo_dis", "3"], ["| running_mean", "3"]]
     runs = json.loads(raw.read_text())["runs"]
-    assert [len(runs[m]["curves"]["reward"]) for m in ("sao", "grpo_dis")] == [3, 3]
+    assert [len(runs[m]["curves"]["reward"]) for m in ("sao", "grpo_dis", "running_mean")] == [3, 3, 3]
     assert all(0.0 <= k <= 1.0 for m in runs for k in runs[m]["curves"]["kept"])
     assert out.with_suffix(".png").stat().st_size > 10_000
     # grpo_dis trains on groups of 4 rollouts of a prompt: its advantages are group-normalised
     learner_lines = (tmp_path / "runs" / "grpo_dis" / "learner" / "metrics.jsonl").read_text().splitlines()
     assert all(abs(json.loads(line)["adv/mean"]) < 1e-4 for line in learner_lines)  # group-normalised
+    # running_mean's baseline is global: the feeder's prompt ids never repeat, yet it trains
+    running = [json.loads(line) for line in
+               (tmp_path / "runs" / "running_mean" / "learner" / "metrics.jsonl").read_text().splitlines()]
+    assert running[-1]["baseline/unseen"] == 0.0 and max(r["adv/abs_mean"] for r in running) > 0
