@@ -23,10 +23,13 @@ from producers.updates import plan, rebuild
 from sao.broker import free_port
 from schemas import topics as T
 from schemas import weights as W
-from schemas.kafka import KafkaConfig, make_consumer, make_producer, produce
+from schemas.kafka import KafkaConfig, make_consumer
 from schemas.messages import Weights
+from tests.kafka_util import publish  # noqa: F401 (the learner tests publish through it)
 
 ROOT = Path(__file__).resolve().parents[2]
+ONE_PARTITION = b"one-partition"
+"""The key that keeps a test's trajectories on one partition, so their consumption order is fixed."""
 PARAMS = SamplingParams(max_tokens=6, temperature=1.0)
 
 
@@ -35,14 +38,6 @@ def rollouts(n: int, *, seed: int = 0, id_prefix: str = "r", model=None, version
     gen = HFGenerator(model or tiny_llama(seed=0), version=version, seed=seed)
     env = make_env("toy-target", vocab_size=64)
     return play_tasks(env, gen, PARAMS, random.Random(seed), num_prompts=n, id_prefix=id_prefix)
-
-
-def publish(cfg: KafkaConfig, payloads: list[bytes], key: bytes | None = b"one-partition") -> None:
-    """Produce in order; one key keeps them on one partition, so the consumption order is fixed."""
-    producer = make_producer(cfg)
-    for p in payloads:
-        produce(producer, cfg.topic(T.TRAJECTORIES), p, key=key)
-    assert producer.flush(60) == 0
 
 
 def learner_cmd(cfg: KafkaConfig, run_dir: Path, *flags: str, nproc: int = 1) -> list[str]:

@@ -24,7 +24,8 @@ from producers.models import load_model
 from producers.updates import fetch
 from producers.weights import WeightSubscriber
 from schemas.messages import Trajectory
-from tests.learner.service_util import ROOT, announcements, final_policy, learner_cmd, publish, rollouts
+from schemas import topics as T
+from tests.learner.service_util import ROOT, announcements, final_policy, learner_cmd, ONE_PARTITION, publish, rollouts
 from tests.producers.util import wait_until
 
 LORA = ModelConfig(lora_rank=4, lora_alpha=8.0, lora_critic=True)
@@ -94,7 +95,7 @@ def test_producers_serve_each_adapter_version_with_the_learners_logprobs(kafka_c
     try:
         assert sub.caught_up.wait(30)
         for v in (1, 2, 3):  # the learner steps once per 4 trajectories: one version at a time
-            publish(kafka_cfg, [t.encode() for t in batches[4 * v - 4:4 * v]])
+            publish(kafka_cfg, T.TRAJECTORIES, [t.encode() for t in batches[4 * v - 4:4 * v]], key=ONE_PARTITION)
             wait_until(lambda: gen.version == v, timeout=120)
             seen[v] = asyncio.run(gen.generate(prompt, params))
         assert learner.wait(60) == 0

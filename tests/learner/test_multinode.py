@@ -16,8 +16,9 @@ import uuid
 
 from sao.broker import free_port
 from schemas.kafka import KafkaConfig, ensure_topics
+from schemas import topics as T
 from tests.learner.service_util import (ROOT, announcements, assert_close_state, latest_checkpoint, learner_cmd,
-                                        metrics, publish, published, rollouts, run_learner, trained_ledger)
+                                        metrics, ONE_PARTITION, publish, published, rollouts, run_learner, trained_ledger)
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "SAO_LOG_LEVEL": "WARNING"}
 
@@ -40,7 +41,7 @@ def descendants(pid: int) -> list[int]:
 def _run(kafka_bootstrap: str, name: str, trajs) -> KafkaConfig:
     cfg = KafkaConfig(bootstrap=kafka_bootstrap, topic_prefix=f"mn{uuid.uuid4().hex[:8]}{name}")
     ensure_topics(cfg)
-    publish(cfg, [t.encode() for t in trajs])
+    publish(cfg, T.TRAJECTORIES, [t.encode() for t in trajs], key=ONE_PARTITION)
     return cfg
 
 

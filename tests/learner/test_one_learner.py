@@ -13,7 +13,7 @@ from confluent_kafka.admin import AdminClient
 from learner.source import group_id
 from schemas import topics as T
 from schemas.kafka import KafkaConfig, make_consumer
-from tests.learner.service_util import ROOT, announcements, learner_cmd, metrics, publish, rollouts
+from tests.learner.service_util import ROOT, announcements, learner_cmd, metrics, ONE_PARTITION, publish, rollouts
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "SAO_LOG_LEVEL": "WARNING"}
 
@@ -46,7 +46,7 @@ def test_a_second_learner_on_the_same_run_exits_at_start_and_the_first_trains_on
         assert "exactly one learner" in second.stderr and group_id(kafka_cfg) in second.stderr
         assert not (tmp_path / "b" / "weights").exists() or not any((tmp_path / "b" / "weights").iterdir())
         assert first.poll() is None and _members(kafka_cfg) == 1
-        publish(kafka_cfg, [t.encode() for t in rollouts(4, seed=3)])
+        publish(kafka_cfg, T.TRAJECTORIES, [t.encode() for t in rollouts(4, seed=3)], key=ONE_PARTITION)
         assert first.wait(120) == 0, first.stderr.read()[-3000:]
     finally:
         first.kill()

@@ -21,7 +21,7 @@ from schemas import topics as T
 from schemas import weights as W
 from schemas.kafka import make_producer
 from tests.learner.service_util import (ROOT, announcements, as_published, assert_close_state, final_policy,
-                                        learner_cmd, metrics, publish, published, rollouts, run_learner)
+                                        learner_cmd, metrics, ONE_PARTITION, publish, published, rollouts, run_learner)
 from tests.producers.util import wait_until
 
 
@@ -115,7 +115,7 @@ def test_newest_announced_reads_the_tail_of_the_topic(kafka_cfg, tmp_path):
             pub.wait()
     finally:
         pub.close()
-    from tests.producers.util import publish as announce_raw
+    from tests.producers.util import announce as announce_raw
     announce_raw(kafka_cfg, b"not an announcement")
     assert newest_announced(kafka_cfg) == 5
 
@@ -126,7 +126,7 @@ def test_a_delta_written_but_never_announced_is_never_a_base(kafka_cfg, tmp_path
     The restart numbers its policies past that file, starts a new chain with an anchor, and a
     producer that followed the first run ends on the restarted learner's last version, exactly."""
     trajs = rollouts(24, seed=7)
-    publish(kafka_cfg, [t.encode() for t in trajs])
+    publish(kafka_cfg, T.TRAJECTORIES, [t.encode() for t in trajs], key=ONE_PARTITION)
     flags = ("--batch-trajectories", "4", "--max-steps", "6", "--max-staleness", "-1", "--checkpoint-every", "2",
              "--weights.inline-bytes", "0")  # every update a file, as for a large model
     gen = HFGenerator(load_model("tiny-llama", seed=0), seed=0)

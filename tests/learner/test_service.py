@@ -19,7 +19,7 @@ from schemas.kafka import make_consumer
 from schemas.messages import DeadLetter, Weights
 from tests.learner.service_util import (ROOT, announcements, as_published, assert_close_state,
                                         assert_one_policy_per_version, final_policy, latest_checkpoint, learner_cmd,
-                                        metrics, publish, published, rollouts, run_learner, sigkill_mid_run,
+                                        metrics, ONE_PARTITION, publish, published, rollouts, run_learner, sigkill_mid_run,
                                         trained_ledger)
 
 
@@ -40,7 +40,7 @@ def test_learner_trains_on_fresh_rollouts_and_publishes_loadable_versions(kafka_
                 version = seen[-1].version
             if version < 0:
                 continue  # wait for version 0: producers start from the learner's weights
-            publish(kafka_cfg, [t.encode() for t in rollouts(2, seed=sent, id_prefix=f"p{sent}-",
+            publish(kafka_cfg, T.TRAJECTORIES, [t.encode() for t in rollouts(2, seed=sent, id_prefix=f"p{sent}-",
                                                              model=model, version=version)], key=None)
             sent += 2
         _, err = learner.communicate(timeout=120)
@@ -67,7 +67,7 @@ def test_two_gloo_ranks_match_one_rank_after_three_steps(kafka_cfg, tmp_path, ka
     for nproc in (1, 2):
         cfg = KafkaConfig(bootstrap=kafka_bootstrap, topic_prefix=f"{kafka_cfg.topic_prefix}n{nproc}")
         ensure_topics(cfg)
-        publish(cfg, payloads)
+        publish(cfg, T.TRAJECTORIES, payloads, key=ONE_PARTITION)
         run_learner(learner_cmd(cfg, tmp_path / str(nproc), "--batch-trajectories", "4",
                                 "--max-steps", "3", "--weights.dtype", "float32", nproc=nproc))
         finals[nproc] = published(announcements(cfg))
@@ -86,7 +86,7 @@ def test_sigkill_three_times_trains_every_trajectory_exactly_once(kafka_bootstra
     for name in ("clean", "killed"):
         cfg = KafkaConfig(bootstrap=kafka_bootstrap, topic_prefix=f"{kafka_cfg.topic_prefix}{name}")
         ensure_topics(cfg)
-        publish(cfg, payloads)
+        publish(cfg, T.TRAJECTORIES, payloads, key=ONE_PARTITION)
         runs[name] = (cfg, tmp_path / name)
     run_learner(learner_cmd(*runs["clean"], *flags))
 
@@ -120,7 +120,7 @@ def test_killed_on_two_ranks_resumes_on_one_and_trains_every_trajectory_once(kaf
     """SIGKILL to a 2-rank learner (the whole torchrun group), then a 1-rank learner resumes from
     its sharded checkpoint: each trajectory in exactly one step, four to a step."""
     trajs = rollouts(48, seed=13)
-    publish(kafka_cfg, [t.encode() for t in trajs])
+    publish(kafka_cfg, T.TRAJECTORIES, [t.encode() for t in trajs], key=ONE_PARTITION)
     flags = ("--batch-trajectories", "4", "--max-steps", "12", "--max-staleness", "-1", "--checkpoint-every", "2")
     proc = subprocess.Popen(learner_cmd(kafka_cfg, tmp_path, *flags, nproc=2), cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
@@ -143,7 +143,7 @@ def test_versions_published_after_the_last_checkpoint_are_never_reused(kafka_cfg
     """Checkpoints every 5 steps; SIGKILL a few steps in, before the first: the restart replays
     those steps from the start, and its policies take numbers past every version announced."""
     trajs = rollouts(48, seed=5)
-    publish(kafka_cfg, [t.encode() for t in trajs])
+    publish(kafka_cfg, T.TRAJECTORIES, [t.encode() for t in trajs], key=ONE_PARTITION)
     flags = ("--batch-trajectories", "4", "--max-steps", "12", "--max-staleness", "-1", "--checkpoint-every", "5")
     proc = subprocess.Popen(learner_cmd(kafka_cfg, tmp_path, *flags), cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -190,7 +190,7 @@ def test_poison_is_dead_lettered_and_counted_and_a_skipped_step_publishes_nothin
     stream = ([t.encode() for t in good[:8]] + [b"\x00garbage", msgpack.packb(mismatched)]
               + [t.encode() for t in good[8:12]] + [msgpack.packb(nan_reward), stale.encode()]
               + [huge.encode()] + [t.encode() for t in good[12:19]])
-    publish(kafka_cfg, stream)
+    publish(kafka_cfg, T.TRAJECTORIES, stream, key=ONE_PARTITION)
     run_learner(learner_cmd(kafka_cfg, tmp_path, "--batch-trajectories", "4", "--max-steps", "5",
                             "--max-staleness", "1"))
     steps = metrics(tmp_path)
@@ -219,7 +219,7 @@ def test_activation_checkpointing_trains_the_same_step(kafka_cfg, tmp_path, kafk
     for i, flags in enumerate([(), ("--parallel.activation-checkpointing",)]):
         cfg = KafkaConfig(bootstrap=kafka_bootstrap, topic_prefix=f"{kafka_cfg.topic_prefix}ac{i}")
         ensure_topics(cfg)
-        publish(cfg, payloads)
+        publish(cfg, T.TRAJECTORIES, payloads, key=ONE_PARTITION)
         run_learner(learner_cmd(cfg, tmp_path / str(i), "--batch-trajectories", "4", "--max-steps", "1",
                                 "--weights.dtype", "float32", *flags))
         finals.append(published(announcements(cfg)))

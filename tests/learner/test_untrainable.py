@@ -16,7 +16,7 @@ import numpy as np
 
 from schemas import topics as T
 from schemas.messages import Prompt
-from tests.learner.service_util import (ROOT, learner_cmd, metrics, publish, rollouts, run_learner,
+from tests.learner.service_util import (ROOT, learner_cmd, metrics, ONE_PARTITION, publish, rollouts, run_learner,
                                         trained_ledger)
 from tests.learner.test_checks import read_dead_letters
 
@@ -81,7 +81,7 @@ def test_every_untrainable_kind_is_dead_lettered_the_learner_survives_sigkill_an
     valid = rollouts(32, seed=41, id_prefix="ok")
     bad = untrainable_kinds(rollouts(1, seed=42, id_prefix="bad")[0])
     first, where = _interleave(valid[:16], bad)
-    publish(kafka_cfg, first)
+    publish(kafka_cfg, T.TRAJECTORIES, first, key=ONE_PARTITION)
     flags = ("--batch-trajectories", "4", "--max-steps", "8", "--max-seq-len", "40", "--max-staleness", "-1")
     proc = subprocess.Popen(learner_cmd(kafka_cfg, tmp_path, *flags), cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -93,7 +93,7 @@ def test_every_untrainable_kind_is_dead_lettered_the_learner_survives_sigkill_an
     proc.wait()
     proc.stderr.close()
 
-    publish(kafka_cfg, [t.encode() for t in valid[16:]])
+    publish(kafka_cfg, T.TRAJECTORIES, [t.encode() for t in valid[16:]], key=ONE_PARTITION)
     run_learner(learner_cmd(kafka_cfg, tmp_path, *flags))  # to the end, no crash loop
 
     trained = trained_ledger(tmp_path)
@@ -110,7 +110,7 @@ def test_every_untrainable_kind_is_dead_lettered_the_learner_survives_sigkill_an
 
 def test_a_topic_deleted_under_a_running_learner_stops_it_with_a_clear_error(kafka_cfg, tmp_path):
     from confluent_kafka.admin import AdminClient
-    publish(kafka_cfg, [t.encode() for t in rollouts(4, seed=43)])
+    publish(kafka_cfg, T.TRAJECTORIES, [t.encode() for t in rollouts(4, seed=43)], key=ONE_PARTITION)
     proc = subprocess.Popen(learner_cmd(kafka_cfg, tmp_path, "--batch-trajectories", "4"), cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -17,7 +17,7 @@ from producers.service import run as produce
 from schemas import topics as T
 from schemas.kafka import make_producer, produce as send
 from schemas.messages import DeadLetter, Prompt
-from tests.producers.util import Proc, read_topic, wait_until
+from tests.producers.util import producer_process, read_topic, wait_until
 
 HOSTILE = "tests.producers.test_boundary:Hostile"
 PASSTHROUGH = "tests.producers.test_boundary:passthrough"
@@ -114,7 +114,7 @@ def test_a_plug_in_breaking_a_rule_costs_its_prompt_and_the_producer_serves_the_
 
 def test_sigterm_during_a_hanging_step_stops_the_producer_within_its_drain_bound(kafka_cfg):
     [hung] = _publish(kafka_cfg, ["hang"])
-    proc = Proc(kafka_cfg, "p", "--env", HOSTILE, "--model", "tiny-llama-bytes", "--max-tokens", "2",
+    proc = producer_process(kafka_cfg, "p", "--env", HOSTILE, "--model", "tiny-llama-bytes", "--max-tokens", "2",
                 "--env-step-timeout", "600", "--drain-s", "2", "--no-follow-weights")
     wait_until(lambda: hung.id in proc.started(), timeout=120)
     time.sleep(1)  # in the step now

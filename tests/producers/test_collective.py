@@ -14,7 +14,8 @@ import sys
 import httpx
 
 from sao.broker import free_port
-from tests.learner.service_util import ROOT, learner_cmd, metrics, publish, rollouts
+from schemas import topics as T
+from tests.learner.service_util import ROOT, learner_cmd, metrics, ONE_PARTITION, publish, rollouts
 from tests.producers.util import wait_until
 
 
@@ -56,7 +57,7 @@ def test_two_engines_by_broadcast_one_killed_mid_broadcast_the_learner_goes_on_a
     def next_step(*following: Engine) -> int:
         """Feed one step's trajectories; wait until the learner and `following` are on its version."""
         nonlocal step
-        publish(kafka_cfg, [t.encode() for t in next(batches)])
+        publish(kafka_cfg, T.TRAJECTORIES, [t.encode() for t in next(batches)], key=ONE_PARTITION)
         step += 1
         wait_until(lambda: len(metrics(tmp_path)) >= step, timeout=120)
         version = metrics(tmp_path)[-1]["weights/version"]

@@ -16,7 +16,7 @@ from confluent_kafka import TopicPartition
 from producers.models import load_model
 from schemas import topics as T
 from schemas.kafka import make_consumer
-from tests.producers.util import (Proc, announcement, full_forward_logprobs, make_prompts, publish,
+from tests.producers.util import (announce, announcement, full_forward_logprobs, make_prompts, producer_process,
                                   publish_prompts, read_topic, wait_until, write_weights)
 
 # no learner consumes here: no backpressure bound either (--max-lag 0), or 400 prompts would hold at 256
@@ -37,7 +37,7 @@ def committed_positions(kafka_cfg) -> dict[int, int]:
 def test_sigkill_with_64_in_flight_loses_no_prompt_and_commits_only_delivered_prefixes(kafka_cfg):
     prompts = make_prompts("toy-target", [{"target": i % 4} for i in range(400)])
     where = dict(zip((p.id for p in prompts), publish_prompts(kafka_cfg, prompts)))
-    a = Proc(kafka_cfg, "a", *SIM, "--concurrency", "64")
+    a = producer_process(kafka_cfg, "a", *SIM, "--concurrency", "64")
     try:
         wait_until(lambda: len(a.started()) >= 150, timeout=180)  # many delivered, 64 in flight
         a.stop(signal.SIGKILL)
@@ -54,7 +54,7 @@ def test_sigkill_with_64_in_flight_loses_no_prompt_and_commits_only_delivered_pr
         assert ahead > 0  # episodes did finish out of order beyond the committed prefix
         assert len(a.started()) - len(delivered) > 1  # and several were cut off in flight
 
-        b = Proc(kafka_cfg, "b", *SIM, "--concurrency", "64")
+        b = producer_process(kafka_cfg, "b", *SIM, "--concurrency", "64")
         try:
             ids = {p.id for p in prompts}
             trajs = read_topic(kafka_cfg, T.TRAJECTORIES, 0, timeout=180,
@@ -76,11 +76,11 @@ def test_a_swap_with_16_episodes_in_flight_tags_each_token_with_the_version_that
     path = write_weights(flat, tmp_path / f"v1-{uuid.uuid4().hex[:6]}.safetensors")
     prompts = make_prompts("toy-target", [{"target": i % 4} for i in range(16)])
     publish_prompts(kafka_cfg, prompts)
-    proc = Proc(kafka_cfg, "swap", "--backend", "hf", "--env", "toy-target", "--model", "tiny-llama",
+    proc = producer_process(kafka_cfg, "swap", "--backend", "hf", "--env", "toy-target", "--model", "tiny-llama",
                 "--seed", "0", "--concurrency", "16", "--max-tokens", "1200")
     try:
         wait_until(lambda: len(proc.started()) == 16, timeout=120)
-        publish(kafka_cfg, announcement(path, 1))
+        announce(kafka_cfg, announcement(path, 1))
         trajs = read_topic(kafka_cfg, T.TRAJECTORIES, 16, timeout=300)
         assert proc.stop() == 0
     finally:
@@ -105,12 +105,12 @@ def test_a_member_joining_while_every_slot_is_busy_gets_partitions_at_once(kafka
             "--sim.median-tokens", "1e9", "--sim.sigma", "0", "--sim.token-s", "0.5", "--max-tokens", "200",
             "--concurrency", "4")
     publish_prompts(kafka_cfg, make_prompts("toy-target", [{"target": i % 4} for i in range(24)]))
-    a = Proc(kafka_cfg, "a", *slow)
+    a = producer_process(kafka_cfg, "a", *slow)
     b = None
     try:
         wait_until(lambda: len(a.started()) == 4, timeout=120)
         started = time.monotonic()
-        b = Proc(kafka_cfg, "b", *slow)
+        b = producer_process(kafka_cfg, "b", *slow)
         wait_until(lambda: len(b.started()) >= 4, timeout=90)
         assert time.monotonic() - started < 100  # a's episodes were all still running
         assert any("given up" in line for line in a.lines)

@@ -14,7 +14,7 @@ from learner.models import tiny_llama
 from schemas.config import ConfigError
 from schemas.models import check_model
 from tests.learner.service_util import learner_cmd, metrics
-from tests.producers.util import Proc, make_prompts, publish_prompts, read_topic
+from tests.producers.util import producer_process, make_prompts, publish_prompts, read_topic
 from schemas import topics as T
 
 REPO = Path(__file__).resolve().parents[2]
@@ -53,7 +53,7 @@ def test_a_producer_on_model_learner_plays_with_the_learners_published_model(kaf
     monkeypatch.setenv("HF_HUB_CACHE", str(hub_cache(tmp_path / "hub", "sao-test/tiny-48")))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SAO_LOG_LEVEL": "WARNING"}
     # the producer starts first: it waits for the learner's first announcement
-    producer = Proc(kafka_cfg, "follower", "--model", "learner", "--env", "toy-target", "--max-tokens", "4",
+    producer = producer_process(kafka_cfg, "follower", "--model", "learner", "--env", "toy-target", "--max-tokens", "4",
                     "--concurrency", "2", "--max-prompts", "4")
     learner = subprocess.Popen(learner_cmd(kafka_cfg, tmp_path, "--model.name", "sao-test/tiny-48",
                                            "--batch-trajectories", "4", "--max-steps", "1"),

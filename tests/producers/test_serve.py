@@ -27,7 +27,7 @@ from schemas.tokenizers import ByteTokenizer, load_tokenizer
 from producers.api import RequestError, parse_request, version_spans
 from producers.serve import chat_template, make_server
 from producers.weights import WeightSubscriber
-from tests.producers.util import announcement, publish, wait_until, write_weights
+from tests.producers.util import announce, announcement, wait_until, write_weights
 
 T = 0.7  # not 1, so the temperature path is exercised on both sides
 
@@ -119,7 +119,7 @@ def test_the_server_follows_weights_and_reports_versions_per_token(kafka_cfg, tm
         assert sub.caught_up.wait(30)
         client = HttpGenerator(served.url)
         assert (asyncio.run(client.generate([1, 3], SamplingParams(max_tokens=4))).versions == 0).all()
-        publish(kafka_cfg, announcement(write_weights(load_model("tiny-llama", seed=1),
+        announce(kafka_cfg, announcement(write_weights(load_model("tiny-llama", seed=1),
                                                       tmp_path / "v1.safetensors"), 1))
         wait_until(lambda: served.gen.version == 1)
         out = asyncio.run(client.generate([1, 3], SamplingParams(max_tokens=4)))

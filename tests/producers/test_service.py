@@ -17,7 +17,7 @@ from producers.service import ProducerConfig, run
 from schemas import topics as T
 from schemas.messages import DeadLetter, Trajectory
 from sao.broker import free_port
-from tests.producers.util import Proc, make_prompts, publish_prompts, read_topic, wait_until
+from tests.producers.util import producer_process, make_prompts, publish_prompts, read_topic, wait_until
 
 
 def test_prompts_become_trajectories_and_bad_prompts_go_to_the_dlq(kafka_cfg):
@@ -85,7 +85,7 @@ def test_sigterm_finishes_the_episode_in_flight_within_the_drain_then_commits_an
     prompts = make_prompts("toy-target", [{"target": 1}, {"target": 2}])
     publish_prompts(kafka_cfg, prompts)
     # a 4 s episode (1000 tokens of 4 ms), signalled about a second in; --drain-s 20 lets it finish
-    proc = Proc(kafka_cfg, "term", "--env", "toy-target", "--backend", "sim", "--sim.median-tokens", "1000",
+    proc = producer_process(kafka_cfg, "term", "--env", "toy-target", "--backend", "sim", "--sim.median-tokens", "1000",
                 "--sim.sigma", "0", "--sim.token-s", "0.004", "--max-tokens", "1000", "--concurrency", "1",
                 "--drain-s", "20", "--no-follow-weights")
     try:
@@ -114,10 +114,10 @@ def test_elastic_scaling_with_a_member_killed_mid_episode_loses_no_prompt(kafka_
 
     flowing = threading.Thread(target=flow)
     flowing.start()
-    procs = {"a": Proc(kafka_cfg, "a", *args)}
+    procs = {"a": producer_process(kafka_cfg, "a", *args)}
     try:
         wait_until(lambda: len(procs["a"].started()) >= 2, timeout=120)
-        procs["b"], procs["c"] = Proc(kafka_cfg, "b", *args), Proc(kafka_cfg, "c", *args)  # scale out
+        procs["b"], procs["c"] = producer_process(kafka_cfg, "b", *args), producer_process(kafka_cfg, "c", *args)  # scale out
         wait_until(lambda: procs["b"].started() and procs["c"].started(), timeout=120)
         from_c = lambda ts: any(t.producer_id == "c" for t in ts)  # noqa: E731
         assert from_c(read_topic(kafka_cfg, T.TRAJECTORIES, 0, timeout=120, until=from_c))  # c took part

@@ -80,7 +80,7 @@ def test_sim_trajectories_go_through_the_real_producer_kafka_and_learner(kafka_c
     import sys
 
     from schemas import topics as T
-    from tests.producers.util import REPO, Proc, make_prompts, publish_prompts, read_topic
+    from tests.producers.util import REPO, producer_process, make_prompts, publish_prompts, read_topic
 
     publish_prompts(kafka_cfg, make_prompts("toy-target", [{"target": i % 4} for i in range(8)]))
     env = {"SAO_KAFKA_BOOTSTRAP": kafka_cfg.bootstrap, "SAO_KAFKA_TOPIC_PREFIX": kafka_cfg.topic_prefix,
@@ -89,7 +89,7 @@ def test_sim_trajectories_go_through_the_real_producer_kafka_and_learner(kafka_c
                                 "--weights-dir", str(tmp_path / "weights"), "--batch-trajectories", "8",
                                 "--max-steps", "1"], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
-    producer = Proc(kafka_cfg, "sim", "--backend", "sim", "--env", "toy-target", "--model", "tiny-llama",
+    producer = producer_process(kafka_cfg, "sim", "--backend", "sim", "--env", "toy-target", "--model", "tiny-llama",
                     "--concurrency", "8", "--sim.median-tokens", "30", "--sim.token-s", "0.001", "--max-tokens", "200")
     try:
         assert learner.wait(300) == 0

@@ -22,7 +22,7 @@ from producers.weights import WeightSubscriber
 from schemas import weights as W
 from schemas.config import ConfigError
 from schemas.messages import Weights
-from tests.producers.util import announcement, publish, state_of, wait_until, write_weights
+from tests.producers.util import announce, announcement, state_of, wait_until, write_weights
 
 PARAMS = SamplingParams(temperature=1.0, max_tokens=12, seed=0)
 PROMPT = [1, 5, 9]
@@ -62,7 +62,7 @@ class Line:
             uri, data = path.resolve().as_uri(), b""
         w = Weights(version=version, step=version, base=base, uri=uri, payload=data, num_bytes=payload.num_bytes,
                     digest=digest or W.digest(state), dtype="float32")
-        publish(self.kafka, w)
+        announce(self.kafka, w)
         return w
 
 
@@ -209,13 +209,13 @@ def test_older_versions_are_ignored_and_undecodable_announcements_counted(kafka_
     sub = subscribe(kafka_cfg, gen)
     try:
         new = load_model("tiny-llama", seed=1)
-        publish(kafka_cfg, announcement(write_weights(new, tmp_path / "v2.safetensors"), 2))
+        announce(kafka_cfg, announcement(write_weights(new, tmp_path / "v2.safetensors"), 2))
         wait_until(lambda: gen.version == 2)
         assert same_weights(gen.model, state_of(new))
-        publish(kafka_cfg, announcement(write_weights(load_model("tiny-llama", seed=5),
+        announce(kafka_cfg, announcement(write_weights(load_model("tiny-llama", seed=5),
                                                       tmp_path / "v1.safetensors"), 1))
         wait_until(lambda: sub.counts["ignored"] == 1)
-        publish(kafka_cfg, b"\x93not a weights message")
+        announce(kafka_cfg, b"\x93not a weights message")
         wait_until(lambda: sub.counts["invalid"] == 1)
         assert gen.version == 2
     finally:
@@ -229,7 +229,7 @@ def test_weights_of_another_architecture_stop_the_subscription_with_a_clear_erro
     wrong_shape = write_weights(load_model("tiny-llama-bytes", seed=0), tmp_path / "v3.safetensors")
     sub = subscribe(kafka_cfg, gen)
     try:
-        publish(kafka_cfg, announcement(wrong_shape, 3))  # verifies, but the state dict does not fit
+        announce(kafka_cfg, announcement(wrong_shape, 3))  # verifies, but the state dict does not fit
         wait_until(lambda: sub.error is not None)
         assert isinstance(sub.error, ConfigError) and "architecture" in str(sub.error)
         assert gen.version == 0
@@ -239,9 +239,9 @@ def test_weights_of_another_architecture_stop_the_subscription_with_a_clear_erro
 
 def test_a_new_subscriber_starts_from_the_newest_loadable_version(kafka_cfg, gen, tmp_path):
     v1 = load_model("tiny-llama", seed=1)
-    publish(kafka_cfg, announcement(write_weights(v1, tmp_path / "v1.safetensors"), 1))
+    announce(kafka_cfg, announcement(write_weights(v1, tmp_path / "v1.safetensors"), 1))
     path2 = write_weights(load_model("tiny-llama", seed=2), tmp_path / "v2.safetensors")
-    publish(kafka_cfg, announcement(path2, 2, digest="b" * 64))  # corrupt newest
+    announce(kafka_cfg, announcement(path2, 2, digest="b" * 64))  # corrupt newest
     sub = subscribe(kafka_cfg, gen)
     try:
         assert gen.version == 1 and same_weights(gen.model, state_of(v1))
@@ -260,7 +260,7 @@ def test_weights_published_mid_episode_are_picked_up_between_decode_steps(kafka_
         """Publish at the 5th decode step, then slow decoding until the swap lands."""
         steps.append(1)
         if len(steps) == 5:
-            publish(kafka_cfg, announcement(path, 1))
+            announce(kafka_cfg, announcement(path, 1))
         if len(steps) > 5 and gen.version == 0:
             time.sleep(0.01)
 

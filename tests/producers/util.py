@@ -1,13 +1,9 @@
-"""Test helpers: publish weights the way the learner does (safetensors file + announcement),
-prompts, read topics, and run `sao producer` as a child process."""
+"""Helpers of the producer tests: weights published the way the learner does (a safetensors file
+and its announcement), prompts, and reference log-probs; the Kafka and child-process helpers are
+tests/kafka_util.py's."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -16,10 +12,9 @@ import torch
 
 from schemas import topics as T
 from schemas import weights as W
-from schemas.kafka import KafkaConfig, make_producer, produce
+from schemas.kafka import KafkaConfig
 from schemas.messages import Prompt, Weights
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.kafka_util import REPO, producer_process, publish, read_topic, wait_until  # noqa: F401 (re-exported)
 
 
 def state_of(model: torch.nn.Module) -> W.State:
@@ -49,42 +44,10 @@ def full_forward_logprobs(model, tokens, n_new, temperature):
     return torch.log_softmax(steps, -1).gather(-1, torch.tensor(tokens[-n_new:])[:, None])[:, 0]
 
 
-def publish(kafka: KafkaConfig, w: Weights | bytes) -> float:
+def announce(kafka: KafkaConfig, w: Weights | bytes) -> float:
     """Announce on the weights topic; returns the time it was acknowledged."""
-    producer = make_producer(kafka)
-    value = w if isinstance(w, bytes) else w.encode()
-    produce(producer, kafka.topic(T.WEIGHTS), value, key=b"w")
-    assert producer.flush(30) == 0
+    publish(kafka, T.WEIGHTS, [w], key=b"w")
     return time.time()
-
-
-def wait_until(predicate, timeout: float = 30.0, every: float = 0.05) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not met in time")
-        time.sleep(every)
-
-
-def read_topic(kafka: KafkaConfig, topic: T.Topic, n: int, timeout: float = 60.0, until=None) -> list:
-    """The first n decoded messages of a topic (all partitions), read by a throwaway group;
-    with `until`, read until `until(messages)` holds instead."""
-    import uuid
-
-    from schemas.kafka import make_consumer
-    from schemas.messages import decode
-
-    consumer = make_consumer(kafka, f"test-read-{uuid.uuid4().hex}")
-    consumer.subscribe([kafka.topic(topic)])
-    out, deadline = [], time.monotonic() + timeout
-    try:
-        while not (until(out) if until else len(out) >= n) and time.monotonic() < deadline:
-            msg = consumer.poll(0.5)
-            if msg is not None and not msg.error():
-                out.append(decode(msg.value()))
-    finally:
-        consumer.close()
-    return out
 
 
 def make_prompts(env: str, tasks: list[dict]) -> list[Prompt]:
@@ -94,37 +57,6 @@ def make_prompts(env: str, tasks: list[dict]) -> list[Prompt]:
 def publish_prompts(kafka: KafkaConfig, values: list) -> list[tuple[int, int]]:
     """Publish prompts (or raw bytes) to the prompts topic, wait for the acks, and return each
     one's (partition, offset)."""
-    producer = make_producer(kafka)
-    where: dict[int, tuple[int, int]] = {}
-    for i, v in enumerate(values):
-        def acked(err, msg, i=i):
-            assert err is None, err
-            where[i] = (msg.partition(), msg.offset())
-        if isinstance(v, bytes):
-            produce(producer, kafka.topic(T.PROMPTS), v, key=b"raw", on_delivery=acked)
-        else:
-            produce(producer, kafka.topic(T.PROMPTS), v.encode(), key=v.key, on_delivery=acked)
-    assert producer.flush(30) == 0
-    return [where[i] for i in range(len(values))]
+    return publish(kafka, T.PROMPTS, values, key=b"raw")
 
 
-class Proc:
-    """A `sao producer` child process whose log lines are collected as they come."""
-
-    def __init__(self, kafka_cfg, name: str, *args: str):
-        env = {**os.environ, "SAO_KAFKA_BOOTSTRAP": kafka_cfg.bootstrap,
-               "SAO_KAFKA_TOPIC_PREFIX": kafka_cfg.topic_prefix, "HF_HUB_OFFLINE": "1",
-               "OMP_NUM_THREADS": "1"}
-        self.p = subprocess.Popen([sys.executable, "-m", "sao", "producer", "--producer-id", name, *args],
-                                  cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        self.lines: list[str] = []
-        threading.Thread(target=lambda: self.lines.extend(self.p.stderr), daemon=True).start()
-
-    def started(self) -> list[str]:
-        if self.p.poll() not in (None, 0, -signal.SIGKILL):
-            raise RuntimeError(f"producer exited {self.p.returncode}:\n{''.join(self.lines[-30:])}")
-        return [line.split("prompt ")[1].split()[0] for line in self.lines if "episode start" in line]
-
-    def stop(self, sig=signal.SIGTERM, timeout=60) -> int:
-        self.p.send_signal(sig)
-        return self.p.wait(timeout)
