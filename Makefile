@@ -11,7 +11,7 @@ export TRANSFORMERS_OFFLINE := 1
 # time in pip's cache (a CI run once ran out of disk installing them)
 export PIP_NO_CACHE_DIR := 1
 
-.PHONY: install run run-tiny test bench broker clean readme image
+.PHONY: install run run-tiny test test-fast bench broker clean readme image
 
 install: $(STAMP)
 
@@ -66,6 +66,10 @@ image: install
 
 test: install
 	$(PY) -m pytest -q tests
+
+# everything but the slow modules (tests/conftest.py SLOW: compose, kill, multi-node, vLLM, pipeline), for iterating
+test-fast: install
+	SAO_TEST_FAST=1 $(PY) -m pytest -q tests
 
 bench: install
 	$(PY) bench/codec.py
