@@ -42,7 +42,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
 from bench.async_stability import collapse_step  # noqa: E402
 from bench.loop import finite_mean, trailing_mean  # noqa: E402
 from sao import report  # noqa: E402

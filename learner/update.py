@@ -214,7 +214,8 @@ class MicroBatch:
     returns: Tensor | None = None
     values: Tensor | None = None
     logp_old: Tensor | None = None
-    """Log-probs under the batch-start weights, from the first policy pass (the PPO clip's π_old)."""
+    """Log-probs under the batch-start weights, from the first policy pass: the PPO clip's π_old, kept
+    only by the algorithms that clip."""
 
 
 class SAOUpdate:
@@ -361,10 +362,10 @@ class SAOUpdate:
                 logp, entropy = token_logprobs(self.policy, b, temperature=cfg.temperature,
                                                packed=cfg.packed, chunk_tokens=cfg.logprob_chunk_tokens,
                                                entropy_grad=bool(cfg.entropy_coef))
-                if mb.logp_old is None:  # the first pass: these are the batch-start weights
-                    mb.logp_old = logp.detach()
                 # policy loss: DIS against π_rollout, or the PPO clip against the batch-start weights
                 if self.settings.policy_loss == "ppo_clip":
+                    if mb.logp_old is None:  # the first pass: these are the batch-start weights
+                        mb.logp_old = logp.detach()
                     loss, ppo = ppo_clip_policy_loss(logp, mb.logp_old, mb.adv, mask,
                                                      cfg.ppo_clip_eps, cfg.loss_agg, **counts)
                     stats.add({f"ppo/{k}": v for k, v in ppo.items()})
