@@ -290,6 +290,9 @@ class Backfill:
                     "raised); read them directly", topic, partition, start, offset - 1)
         return missed
 
+    def close(self) -> None:
+        self.consumer.close()
+
     def handled(self, record: Input) -> None:
         tp = (record.topic, record.partition)
         if tp in self.expected:  # else revoked meanwhile
@@ -323,28 +326,37 @@ class Backfill:
 
 class Index:
     """This worker's deadlines by partition, kept beside the table so a sweep reads no entries;
-    rebuilt from the table at the first sweep of a partition after it was (re)assigned."""
+    rebuilt from the table at the first sweep of a partition after it was (re)assigned. The count
+    of open trajectories is kept as entries change: counting at every sweep cost 5 % of the
+    joiner's CPU in a 8,000-trajectory burst (py-spy)."""
 
     def __init__(self, timeouts: join.Timeouts):
         self.timeouts = timeouts
         self.deadlines: dict[int, dict[bytes, tuple[float, bool]]] = {}  # p -> key -> (deadline, open)
+        self.open: dict[int, int] = {}  # p -> how many of its entries are open
 
     def built(self, partition: int) -> bool:
         return partition in self.deadlines
 
     def rebuild(self, partition: int, items) -> None:
-        self.deadlines[partition] = {}
+        self.deadlines[partition], self.open[partition] = {}, 0
         for key, entry in items:
             if entry.partition == partition:
                 self.update(key, entry)
 
     def update(self, key: bytes, entry: join.Entry | None) -> None:
         if entry is None:
-            for d in self.deadlines.values():
-                d.pop(key, None)
+            for p, d in self.deadlines.items():
+                self._set(p, key, None)
         elif entry.partition in self.deadlines:
-            self.deadlines[entry.partition][key] = (entry.deadline(self.timeouts),
-                                                    entry.has_trajectory and not entry.closed)
+            self._set(entry.partition, key, (entry.deadline(self.timeouts), entry.has_trajectory and not entry.closed))
+
+    def _set(self, partition: int, key: bytes, value: tuple[float, bool] | None) -> None:
+        d = self.deadlines[partition]
+        old = d.pop(key, None) if value is None else d.get(key)
+        if value is not None:
+            d[key] = value
+        self.open[partition] += (value is not None and value[1]) - (old is not None and old[1])
 
     def due(self, partition: int, now: float) -> list[bytes]:
         return [k for k, (t, _) in self.deadlines.get(partition, {}).items() if t <= now]
@@ -352,10 +364,11 @@ class Index:
     def forget(self, partitions: set[int]) -> None:
         for p in partitions:
             self.deadlines.pop(p, None)
+            self.open.pop(p, None)
 
     def pending(self) -> int:
         """Trajectories waiting for their reward in this worker's partitions."""
-        return sum(open_ for d in self.deadlines.values() for _, open_ in d.values())
+        return sum(self.open.values())
 
 
 def run(cfg: JoinerConfig) -> None:
@@ -369,4 +382,5 @@ def run(cfg: JoinerConfig) -> None:
     try:
         faust.Worker(app, loglevel=logging.getLevelName(logging.getLogger().level), quiet=True).execute_from_commandline()
     finally:
+        joiner.backfill.close()
         metrics.close()

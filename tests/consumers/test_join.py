@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from consumers.join import Entry, Timeouts, add_reward, add_trajectory, expire, latency_s
+from consumers.joiner import Index
 from schemas.messages import Reward, SchemaError, Trajectory
 from tests.consumers.util import pending_trajectory
 
@@ -76,3 +79,27 @@ def test_entries_round_trip_and_headers_skip_the_trajectory_bytes():
     assert back == e
     head = Entry.decode(e.encode(), header_only=True)
     assert head.trajectory is None and head.has_trajectory and head.turns == {6: 0.5}
+
+
+def test_the_joiners_index_counts_open_trajectories_as_entries_come_and_go():
+    """The sweep's count of open trajectories, kept as entries change, equals a recount over
+    a random history of joins, closes, removals and partitions revoked and rebuilt."""
+    index, entries, rng = Index(T), {}, random.Random(0)
+    index.rebuild(0, []), index.rebuild(1, [])
+    for step in range(2000):
+        n = rng.randrange(50)
+        key, action = f"t{n}".encode(), rng.random()
+        if action < 0.6:
+            entry = Entry(partition=n % 2,  # a key's partition never changes trajectory_seen=1.0 if rng.random() < 0.7 else None,
+                          reward_seen=1.0, closed=rng.choice(["", "", "joined"]))
+            entries[key] = entry
+            index.update(key, entry)
+        elif action < 0.95:
+            entries.pop(key, None)
+            index.update(key, None)
+        else:  # a partition revoked, then assigned again and rebuilt from the table
+            p = rng.randrange(2)
+            index.forget({p})
+            index.rebuild(p, entries.items())
+        expected = sum(e.has_trajectory and not e.closed for k, e in entries.items() if index.built(e.partition))
+        assert index.pending() == expected, step

@@ -144,5 +144,8 @@ def test_the_joiners_producer_is_idempotent_with_acks_all_like_every_producer_of
             return aio._txn_manager is not None, aio._sender._acks  # aiokafka keeps both privately
         finally:
             await aio.stop()
-    assert asyncio.run(settings()) == (True, -1)
-    assert joiner.app.conf.topic_replication_factor == replication_now(kafka_cfg)[0]
+    try:
+        assert asyncio.run(settings()) == (True, -1)
+        assert joiner.app.conf.topic_replication_factor == replication_now(kafka_cfg)[0]
+    finally:
+        joiner.backfill.close()  # its client would otherwise outlive the broker, reconnecting
