@@ -111,6 +111,7 @@ class WeightSubscriber:
         # so it gets the uri itself and this process reads no payload
         self.poll_s, self.keep_anchors = poll_s, keep_anchors
         self.counts = {"loaded": 0, "rejected": 0, "ignored": 0, "invalid": 0}
+        self.handled = 0  # valid announcements acted on (backlog and live): what a caller can wait for
         self.by_source = {"inline": 0, "file": 0, "collective": 0}  # updates loaded, by how their bytes came
         self.last: dict[str, float] = {}
         self.totals = {"fetch_s": 0.0, "write_s": 0.0, "load_s": 0.0, "pause_s": 0.0, "bytes": 0}
@@ -199,6 +200,7 @@ class WeightSubscriber:
             self._history = self._history[anchors[-self.keep_anchors]:]
         if not received:
             self._advance()
+        self.handled += 1
 
     # ------------------------------------------------------------------ updates
     def _advance(self) -> None:

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
+import importlib
 import json
 import os
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
+import pytest
+import tyro
 from confluent_kafka import TopicPartition
 
+from sao.cli import COMMANDS, main
 from schemas import topics as T
 from schemas.kafka import make_consumer
 from tests.learner.service_util import announcements
@@ -39,7 +45,40 @@ def test_usage_lists_every_subcommand_and_unknown_ones_fail():
     assert _sao("no-such-command").returncode == 2
 
 
-def test_every_subcommand_has_help_from_its_config_docstrings():
+POSITIONAL = set(typing.get_args(tyro.conf.Positional[int])[1:])
+
+
+def _flags(cls: type, prefix: str = "") -> list[str]:
+    """How the help names every setting of a config dataclass: a flag, nested ones dotted, or
+    tyro's heading for a positional argument."""
+    out = []
+    for f in dataclasses.fields(cls):
+        tp = typing.get_type_hints(cls, include_extras=True)[f.name]
+        name = prefix + f.name.replace("_", "-")
+        if POSITIONAL & set(typing.get_args(tp)[1:]):
+            out.append("positional arguments")
+        elif dataclasses.is_dataclass(tp):
+            out += _flags(tp, name + ".")
+        else:
+            out.append(f"--{name}")
+    return out
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_subcommand_has_help_listing_each_of_its_settings(command, capsys):
+    """`sao <command> --help` exits 0 and names every flag its config dataclass has (in-process:
+    a child per subcommand would spend most of a minute importing)."""
+    module_name, config_name, _ = COMMANDS[command]
+    with pytest.raises(SystemExit) as exit_:
+        main([*command.split(), "--help"])
+    help_text = capsys.readouterr().out
+    assert exit_.value.code == 0
+    config = getattr(importlib.import_module(module_name), config_name)
+    missing = [flag for flag in _flags(config) if flag not in help_text]
+    assert not missing, f"sao {command} --help does not list {missing}"
+
+
+def test_help_shows_the_settings_docstrings():
     out = _sao("learner", "--help")
     assert out.returncode == 0 and "--batch-trajectories" in out.stdout and "whichever comes first" in out.stdout
 

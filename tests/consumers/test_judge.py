@@ -90,7 +90,9 @@ def test_sao_judge_follows_its_schedule_and_the_control_topic(kafka_cfg):
         assert _rewards(kafka_cfg, first) == [(0.909, "uppercase"), (0.0, "uppercase"), (0.0, "uppercase")]
         assert _rewards(kafka_cfg, second) == [(0.0, "lowercase"), (0.909, "lowercase"), (0.0, "lowercase")]
         set_criterion(kafka_cfg, "digits")
-        time.sleep(3)  # the judge reads the control topic between trajectories
+        # the judge reads the control topic between trajectories: probe until one is judged by it
+        wait_until(lambda: _rewards(kafka_cfg, _texts(kafka_cfg, ["probe"])) == [(0.0, "digits")], timeout=60,
+                   every=0)
         third = _texts(kafka_cfg, TEXTS)
         assert _rewards(kafka_cfg, third) == [(0.0, "digits"), (0.0, "digits"), (0.889, "digits")]
     finally:

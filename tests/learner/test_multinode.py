@@ -9,6 +9,7 @@ import collections
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ from schemas.kafka import KafkaConfig, ensure_topics
 from schemas import topics as T
 from tests.learner.service_util import (ROOT, announcements, assert_close_state, latest_checkpoint, learner_cmd,
                                         metrics, ONE_PARTITION, publish, published, rollouts, run_learner, trained_ledger)
+from tests.kafka_util import wait_until
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "SAO_LOG_LEVEL": "WARNING"}
 
@@ -31,6 +33,13 @@ def node(port: int, job: str, nnodes: str, flags: list[str]) -> subprocess.Popen
          "--rdzv-conf", "last_call_timeout=3,join_timeout=120", "--max-restarts", "3", "-m", "learner.service",
          *flags], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         start_new_session=True)
+
+
+def accepts(port: int) -> bool:
+    """Something listens on loopback `port`."""
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+        return True
+    return False
 
 
 def descendants(pid: int) -> list[int]:
@@ -71,7 +80,7 @@ def test_a_node_sigkilled_mid_run_and_the_survivor_resumes_alone_exactly_once(ka
                         "--checkpoint-every", "2")[4:]
     port = free_port()
     first = node(port, "elastic", "1:2", flags)  # hosts the rendezvous store
-    time.sleep(1)
+    wait_until(lambda: accepts(port) or first.poll() is not None, timeout=60)
     second = node(port, "elastic", "1:2", flags)
     try:
         deadline = time.monotonic() + 300

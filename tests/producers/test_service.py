@@ -13,9 +13,11 @@ from prometheus_client import generate_latest
 
 from producers.feeder import Backlog
 from producers.metrics import ProducerMetrics
+from producers.envs.python_tool import SYSTEM
 from producers.service import ProducerConfig, run
 from schemas import topics as T
 from schemas.messages import DeadLetter, Trajectory
+from schemas.tokenizers import ByteTokenizer
 from sao.broker import free_port
 from tests.producers.util import producer_process, make_prompts, publish_prompts, read_topic, wait_until
 
@@ -53,12 +55,18 @@ def test_unrewarded_trajectories_go_to_the_pending_topic(kafka_cfg):
     assert read_topic(kafka_cfg, T.TRAJECTORIES, 1, timeout=3) == []
 
 
-def test_python_tool_producer_plays_with_the_sandbox(kafka_cfg):
+def test_python_tool_producer_publishes_a_scored_trajectory_of_its_chat_prompt(kafka_cfg):
+    """The service end of `python-tool`: its episode (sandbox started, system prompt, scoring) runs
+    in a producer and the trajectory is published. A random tiny model never writes a code block,
+    so the code -> sandbox -> observation turn is tested on the env (tests/producers/test_python_tool.py)."""
     publish_prompts(kafka_cfg, make_prompts("python-tool", [{"question": "What is 2 + 2?", "answer": 4}]))
     run(ProducerConfig(env="python-tool", model="tiny-llama-bytes", max_tokens=6, max_turns=2, max_prompts=1,
                        kafka=kafka_cfg))
     [traj] = read_topic(kafka_cfg, T.TRAJECTORIES, 1)
-    assert traj.env == "python-tool" and traj.reward in (0.0, 1.0)
+    prompt = ByteTokenizer().decode(traj.tokens[:traj.prompt_len].tolist())
+    assert traj.env == "python-tool" and traj.reward == 0.0 and traj.num_turns == 1
+    assert SYSTEM in prompt and "What is 2 + 2?" in prompt
+    assert traj.action_mask[traj.prompt_len:].all() and 0 < traj.num_tokens - traj.prompt_len <= 6
 
 
 def test_metrics_are_served_and_named():

@@ -121,8 +121,9 @@ def test_a_missing_delta_is_refused_then_the_next_anchor_and_its_chain_load(kafk
         w2 = line.publish(2, s[2], base=1, inline=False, file_gone=True)
         wait_until(lambda: sub.counts["rejected"] == 1)
         s[3] = nudged(s[2], 3)
+        seen = sub.handled
         line.publish(3, s[3], base=2)  # onto the version it could not load: no way there
-        time.sleep(1.0)
+        wait_until(lambda: sub.handled == seen + 1)
         assert gen.version == 1 and same_weights(gen.model, s[1])  # nothing half-applied
         s[4], s[5] = nudged(s[3], 4), nudged(s[3], 5)
         line.publish(4, s[4])
@@ -142,8 +143,9 @@ def test_deltas_announced_out_of_order_apply_once_their_base_is_there(kafka_cfg,
     line.states[1] = s[1]
     sub = subscribe(kafka_cfg, gen)
     try:
+        seen = sub.handled
         line.publish(2, s[2], base=1)  # first, while the producer holds 0
-        time.sleep(1.0)
+        wait_until(lambda: sub.handled == seen + 1)
         assert gen.version == 0
         line.publish(1, s[1], base=0)
         wait_until(lambda: gen.version == 2)
