@@ -7,7 +7,9 @@ the weight store or puts it inline, announces it on `sao.weights`, and, with the
 transport, broadcasts it to the engines linked to this learner (schemas/collective.py). At most
 one publication is in flight and one queued; a newer snapshot supersedes the queued one (versions
 only increase, so a producer never misses anything it could still use). An anchor is published
-at start, every `--weights.anchor-every` versions, and on `request_anchor`.
+at start, every `--weights.anchor-every` versions, and on request: `request_anchor`, which
+`AnchorRequests` calls for every producer asking on `sao.weights.requests` (one that cannot reach
+the newest version from what it holds); asks that come before a publication make one anchor.
 
 Crash safety: a payload file is durable before its announcement, and version numbers continue
 past both the store's newest file and the newest announcement (`newest_announced`), so a delta
@@ -33,8 +35,8 @@ from learner.store import WeightStore
 from schemas import topics as T
 from schemas import weights as W
 from schemas.config import ConfigError
-from schemas.kafka import KafkaConfig, make_consumer, produce_and_wait, read_ranges
-from schemas.messages import SchemaError, Weights
+from schemas.kafka import KafkaConfig, consumer_error, make_consumer, produce_and_wait, read_ranges
+from schemas.messages import AnchorRequest, SchemaError, Weights
 from schemas.retry import retrying
 
 log = logging.getLogger(__name__)
@@ -126,7 +128,7 @@ class Publisher:
     def __init__(self, cfg: WeightsConfig, store: WeightStore, announce: Callable[[Weights], None],
                  links=None, extra: dict | None = None):
         self.cfg, self.store, self.announce, self.links, self.extra = cfg, store, announce, links, extra or {}
-        self.superseded, self.last = 0, {}
+        self.superseded, self.anchor_requests, self.last = 0, 0, {}
         self.error: BaseException | None = None
         self._queued: tuple | None = None
         self._busy = self._closed = False
@@ -148,6 +150,7 @@ class Publisher:
         """Make the next publication an anchor (a fresh start of the chain for every producer)."""
         with self._cond:
             self._anchor_due = True
+            self.anchor_requests += 1
 
     def wait(self) -> None:
         with self._cond:
@@ -217,4 +220,38 @@ class Publisher:
                      "weights/encode_s": encoded - t0, "weights/write_s": written - encoded,
                      "weights/announce_s": announced - written,
                      "weights/broadcast_s": time.perf_counter() - announced, "weights/engines_linked": len(linked),
-                     "weights/superseded": self.superseded}
+                     "weights/superseded": self.superseded, "weights/anchor_requests": self.anchor_requests}
+
+
+class AnchorRequests:
+    """Rank 0: reads `sao.weights.requests` from its end as of the start (a start publishes an
+    anchor anyway) on its own thread, and calls `publisher.request_anchor()` for each request."""
+
+    def __init__(self, kafka: KafkaConfig, publisher: Publisher, poll_s: float = 0.5):
+        self.publisher, self.poll_s = publisher, poll_s
+        self.consumer = make_consumer(kafka, f"{kafka.topic_prefix}-anchor-requests-{uuid.uuid4().hex}")
+        tp = TopicPartition(kafka.topic(T.WEIGHT_REQUESTS), 0)
+        _, high = retrying(lambda: self.consumer.get_watermark_offsets(tp, timeout=5, cached=False))
+        self.consumer.assign([TopicPartition(tp.topic, 0, high)])
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="anchor-requests", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            msg = self.consumer.poll(self.poll_s)
+            if msg is None or consumer_error(msg):
+                continue
+            try:
+                ask = AnchorRequest.decode(msg.value() or b"")
+            except SchemaError as e:  # nothing to train on or lose: say so and go on
+                log.warning("unreadable anchor request at offset %d ignored: %s", msg.offset(), e)
+                continue
+            log.info("anchor requested by %s (holds v%d, cannot reach v%d: %s)", ask.requester,
+                     ask.held_version, ask.wanted_version, ask.reason)
+            self.publisher.request_anchor()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.consumer.close()

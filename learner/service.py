@@ -27,7 +27,7 @@ import torch
 from learner.models import ModelConfig, build_models, build_policy
 from learner.parallel import ParallelConfig, broadcast_bytes, init_distributed
 from learner.lora import published_name
-from learner.publish import DTYPES, Publisher, WeightsConfig, announcer, newest_announced, snapshot
+from learner.publish import DTYPES, AnchorRequests, Publisher, WeightsConfig, announcer, newest_announced, snapshot
 from learner.checks import Trainable
 from learner.failures import StepFailures
 from learner.source import TrajectorySource, staleness
@@ -143,6 +143,7 @@ class Learner:
             links=Links(cfg.weights.collective_port, cfg.weights.collective_timeout_s)
             if cfg.weights.transport == "collective" else None,
             extra={"lora_scale": cfg.model.lora.scale} if cfg.model.lora else None) if self.rank == 0 else None
+        self.anchor_requests: AnchorRequests | None = None  # rank 0, once the topics exist (`run`)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self, optimizers: set[str] | None = None) -> dict:
@@ -257,6 +258,7 @@ def run(cfg: LearnerConfig) -> None:
         if learner.rank == 0:
             ensure_topics(cfg.kafka)  # idempotent; a fresh cluster works without a setup step
             learner.source.claim()  # before anything shared is touched: one learner per run
+            learner.anchor_requests = AnchorRequests(cfg.kafka, learner.publisher)
         if learner.restore():
             log.info("resumed at step %d, version %d", learner.update.step_count, learner.version)
         learner.continue_versions()
@@ -283,6 +285,8 @@ def run(cfg: LearnerConfig) -> None:
         if learner.publisher:
             learner.publisher.wait()  # the last version reaches the producers
     finally:
+        if learner.anchor_requests:
+            learner.anchor_requests.close()
         if learner.publisher:
             learner.publisher.close()
         if learner.source:

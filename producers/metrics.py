@@ -3,7 +3,7 @@ log line with the rates derived from them.
 
 Names: `sao_producer_episodes_total`, `sao_producer_action_tokens_total`,
 `sao_producer_errors_total{kind}`, `sao_producer_episodes_in_flight`, `sao_producer_weight_version`,
-`sao_producer_weight_updates{outcome=loaded|rejected|ignored|invalid}`, and per weight update
+`sao_producer_weight_updates{outcome=loaded|rejected|ignored|invalid|anchor_asks}`, and per weight update
 (producers/weights.py) `sao_producer_weight_last_seconds{phase=fetch|write|load|pause|lag}` with
 their sums `sao_producer_weight_seconds_sum{phase}`, `sao_producer_weight_bytes_sum` and
 `sao_producer_weight_updates_by_source{source}`: the pause is what the engine stopped decoding

@@ -280,8 +280,8 @@ def run(cfg: ProducerConfig, stop: threading.Event | None = None) -> None:
                     tool_s=cfg.sim.tool_s if backend == "sim" else 0.0, bounds=env_bounds(cfg, generator))
     metrics = ProducerMetrics(cfg.producer_id, cfg.metrics_port, cfg.log_every_s)
     holds_weights = backend in ("hf", "vllm") or cfg.server_swaps  # reads the files: verify them first
-    sub = WeightSubscriber(cfg.kafka, generator, verify_files=holds_weights,
-                           follow=cfg.weights) if cfg.follow_weights else None
+    sub = WeightSubscriber(cfg.kafka, generator, verify_files=holds_weights, follow=cfg.weights,
+                           requester=cfg.producer_id) if cfg.follow_weights else None
     producer = make_producer(cfg.kafka)
     consumer = make_consumer(cfg.kafka, cfg.group, **{"partition.assignment.strategy": "cooperative-sticky"})
     done = 0

@@ -19,7 +19,10 @@ Each update's figures (`last`, summed in `totals`): `fetch_s` reading, decoding,
 verifying; `write_s` the full file; `load_s` the generator's whole load; `pause_s` what the engine
 stopped decoding for (the backend's `last_pause_s`); `lag_s` from the announcement to live.
 A failed update keeps the old weights serving; it is logged and counted (`rejected`). Versions at
-or below the engine's are `ignored`. An undecodable announcement is logged and counted
+or below the engine's are `ignored`. When the newest version announced is out of reach (a delta
+refused or its file gone, and no anchor after it), the subscriber asks the learner for an anchor
+on `sao.weights.requests` (`anchor_asks`, at most one per `ANCHOR_ASK_EVERY_S`) instead of
+waiting up to `--weights.anchor-every` versions for the next one. An undecodable announcement is logged and counted
 (`invalid`) but not dead-lettered: every producer reads every announcement, so each would send
 its own copy of the same dead letter.
 """
@@ -28,7 +31,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -44,11 +49,14 @@ from schemas import topics as T
 from schemas import weights as W
 from schemas.collective import Link
 from schemas.config import ConfigError
-from schemas.kafka import KafkaConfig, consumer_error, make_consumer, read_ranges
-from schemas.messages import SchemaError, Weights
+from schemas.kafka import KafkaConfig, consumer_error, make_consumer, make_producer, produce_and_wait, read_ranges
+from schemas.messages import AnchorRequest, SchemaError, Weights
 from schemas.retry import retrying
 
 log = logging.getLogger(__name__)
+
+ANCHOR_ASK_EVERY_S = 10.0
+"""Seconds between two anchor requests of one subscriber while the newest version stays out of reach."""
 
 __all__ = ["FollowConfig", "WeightSubscriber", "WeightsError", "learner_store", "local_path", "weights_reader"]
 
@@ -104,13 +112,15 @@ class WeightSubscriber:
     """A background thread that keeps `generator` on the newest version it can verify."""
 
     def __init__(self, kafka: KafkaConfig, generator: Generator, *, verify_files: bool = True,
-                 follow: FollowConfig = FollowConfig(), poll_s: float = 0.2, keep_anchors: int = 2):
+                 follow: FollowConfig = FollowConfig(), poll_s: float = 0.2, keep_anchors: int = 2,
+                 requester: str = ""):
         self.kafka = kafka
+        self.requester = requester or f"{socket.gethostname()}-{os.getpid()}"  # named in its anchor requests
         self.generator = generator
         self.verify_files = verify_files  # False: the generator only records versions (http backend),
         # so it gets the uri itself and this process reads no payload
         self.poll_s, self.keep_anchors = poll_s, keep_anchors
-        self.counts = {"loaded": 0, "rejected": 0, "ignored": 0, "invalid": 0}
+        self.counts = {"loaded": 0, "rejected": 0, "ignored": 0, "invalid": 0, "anchor_asks": 0}
         self.handled = 0  # valid announcements acted on (backlog and live): what a caller can wait for
         self.by_source = {"inline": 0, "file": 0, "collective": 0}  # updates loaded, by how their bytes came
         self.last: dict[str, float] = {}
@@ -120,6 +130,9 @@ class WeightSubscriber:
         self._history: list[Weights] = []  # announcements from the newest `keep_anchors` anchors on
         self._held: Rebuilt | None = None  # the state of the version last loaded: the base of the next delta
         self._bad: set[int] = set()  # versions that failed to apply
+        self._refusal = ""  # why the last version was refused, for an anchor request
+        self._asked_at = -math.inf
+        self._asker = None  # a Kafka producer, made on the first anchor request
         self._own_scratch = not follow.scratch_dir
         self._scratch = Path(follow.scratch_dir or tempfile.mkdtemp(prefix="sao-weights-"))
         self._scratch.mkdir(parents=True, exist_ok=True)
@@ -204,6 +217,10 @@ class WeightSubscriber:
 
     # ------------------------------------------------------------------ updates
     def _advance(self) -> None:
+        self._load_newest()
+        self._ask_if_out_of_reach()
+
+    def _load_newest(self) -> None:
         """Rebuild and load the newest version reachable, trying the next best after each failure."""
         if not self.verify_files:  # the server loads: hand it the newest announcement
             newest = max(self._history, key=lambda w: w.version, default=None)
@@ -217,6 +234,7 @@ class WeightSubscriber:
             state, failed, error = rebuild(chain, self._held)
             if failed is not None:
                 self._bad.add(failed.version)
+                self._refusal = f"v{failed.version}: {error}"
                 self.counts["rejected"] += 1
                 log.error("weights version %d refused, staying on %d: %s", failed.version,
                           self.generator.version, error)
@@ -225,6 +243,31 @@ class WeightSubscriber:
                 self._install(state, used, t0, "inline" if all(w.inline for w in used) else "file")
             if failed is None:
                 return
+
+    def _ask_if_out_of_reach(self) -> None:
+        """Ask the learner for an anchor if the newest version announced is newer than anything
+        held or loaded: no chain from an anchor this subscriber has reaches it. Best effort: an
+        ask that fails is logged, and the next scheduled anchor comes anyway."""
+        newest = max((w.version for w in self._history), default=-1)
+        now = time.monotonic()
+        if (not self.verify_files or newest <= max(self.held_version, self.generator.version)
+                or now - self._asked_at < ANCHOR_ASK_EVERY_S):
+            return
+        self._asked_at = now
+        ask = AnchorRequest(requester=self.requester, held_version=max(self.held_version, self.generator.version),
+                            wanted_version=newest, reason=self._refusal or "no anchor reaches it")
+        self._asker = self._asker or make_producer(self.kafka)
+        try:
+            err = produce_and_wait(self._asker, self.kafka.topic(T.WEIGHT_REQUESTS), ask.encode(), ask.key,
+                                   timeout=10.0, stop=self._stop)
+        except TimeoutError as e:
+            err = e
+        if err is not None:
+            log.warning("weights v%d out of reach; the anchor request was not delivered (%s)", newest, err)
+            return
+        self.counts["anchor_asks"] += 1
+        log.warning("weights v%d out of reach from v%d (%s): asked the learner for an anchor", newest,
+                    ask.held_version, ask.reason)
 
     def _install(self, state: Rebuilt, chain: list[Weights], t0: float, source: str) -> None:
         """Make `state` the held one, loading it unless the engine already runs its version (v0 is
@@ -267,6 +310,7 @@ class WeightSubscriber:
         except ArchitectureMismatch as e:
             raise _mismatch(version, e) from e
         except Exception as e:  # a load failure must never take the producer down
+            self._refusal = f"v{version}: {e}"
             self.counts["rejected"] += 1
             log.error("weights version %d rejected by the engine, staying on %d: %s", version,
                       self.generator.version, e)

@@ -1,4 +1,4 @@
-"""The wire contract: the five message kinds of ARCHITECTURE.md and their MessagePack codec.
+"""The wire contract: the message kinds of ARCHITECTURE.md (and the anchor request) and their MessagePack codec.
 
 Every message is a MessagePack map carrying `v` (schema version) and `kind`. Per-token arrays
 travel as raw little-endian bytes whose dtype the schema fixes, and decode into numpy views over
@@ -22,7 +22,7 @@ from schemas.fields import (DEFAULT_LIMITS, TOKEN_ARRAYS, Limits, SchemaError, a
 SCHEMA_VERSION = 2  # 2: typed per-turn rewards and sampling settings on trajectories
 
 __all__ = ["DEFAULT_LIMITS", "TOKEN_ARRAYS", "Limits", "SchemaError", "SCHEMA_VERSION", "Prompt", "Trajectory",
-           "Reward", "Weights", "DeadLetter", "KINDS", "Message", "decode"]
+           "Reward", "Weights", "DeadLetter", "AnchorRequest", "KINDS", "Message", "decode"]
 
 
 def _now() -> float:
@@ -299,6 +299,37 @@ class Weights(_Message):
 
 
 @dataclass(kw_only=True, eq=False)
+class AnchorRequest(_Message):
+    """A producer's request, on `sao.weights.requests`, that the learner's next publication be an
+    anchor: from what it holds it cannot reach the newest version announced (a delta refused or
+    its file gone, and no later anchor yet)."""
+
+    kind: ClassVar[str] = "anchor_request"
+    requester: str
+    """Who asks (a producer id, or host-pid); the message key."""
+    held_version: int
+    """The version its engine serves (-1: none yet)."""
+    wanted_version: int
+    """The newest version announced, which it cannot reach."""
+    reason: str = ""
+    created_at: float = field(default_factory=_now)
+
+    @property
+    def key(self) -> bytes:
+        return self.requester.encode()
+
+    def _fields(self) -> dict:
+        return {"requester": self.requester, "held_version": self.held_version,
+                "wanted_version": self.wanted_version, "reason": self.reason, "created_at": float(self.created_at)}
+
+    @classmethod
+    def _from_map(cls, m: dict, limits: Limits) -> AnchorRequest:
+        return cls(requester=string(m, "requester", limits), held_version=integer(m, "held_version", lo=-1),
+                   wanted_version=integer(m, "wanted_version", lo=0), reason=string(m, "reason", limits),
+                   created_at=number(m, "created_at"))
+
+
+@dataclass(kw_only=True, eq=False)
 class DeadLetter(_Message):
     """A message some service could not use, kept with its original bytes and where it came from."""
 
@@ -323,9 +354,10 @@ class DeadLetter(_Message):
                    created_at=number(m, "created_at"))
 
 
-KINDS: dict[str, type[_Message]] = {c.kind: c for c in (Prompt, Trajectory, Reward, Weights, DeadLetter)}
+KINDS: dict[str, type[_Message]] = {c.kind: c for c in (Prompt, Trajectory, Reward, Weights, DeadLetter,
+                                                        AnchorRequest)}
 _FIELD_NAMES = {c: {"v", "kind", *(f.name for f in dataclasses.fields(c))} for c in KINDS.values()}
-Message = Prompt | Trajectory | Reward | Weights | DeadLetter
+Message = Prompt | Trajectory | Reward | Weights | DeadLetter | AnchorRequest
 
 
 def decode(data: bytes, limits: Limits = DEFAULT_LIMITS) -> Message:

@@ -30,8 +30,10 @@ REWARDS = Topic("rewards", 12)
 # One partition keeps announcements ordered; producers read all of it with no shared group.
 WEIGHTS = Topic("weights", 1, {"retention.ms": str(7 * 24 * 3600 * 1000), **_BIG})  # updates travel inline
 DLQ = Topic("dlq", 1, _BIG)
+# Producers that cannot reach the newest version ask the learner for an anchor; old asks expire.
+WEIGHT_REQUESTS = Topic("weights.requests", 1, {"retention.ms": str(24 * 3600 * 1000)})
 
-ALL = (PROMPTS, TRAJECTORIES, PENDING, REWARDS, WEIGHTS, DLQ)
+ALL = (PROMPTS, TRAJECTORIES, PENDING, REWARDS, WEIGHTS, DLQ, WEIGHT_REQUESTS)
 
 
 def replication(brokers: int) -> tuple[int, int]:

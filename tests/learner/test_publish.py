@@ -12,11 +12,11 @@ import torch.distributed as dist
 
 from learner.models import ModelConfig, build_models, build_policy
 from learner.parallel import ParallelConfig, init_distributed
-from learner.publish import Publisher, WeightsConfig, announcer, newest_announced, snapshot
+from learner.publish import AnchorRequests, Publisher, WeightsConfig, announcer, newest_announced, snapshot
 from learner.store import WeightStore
 from producers.generate.hf import HFGenerator
 from producers.models import load_model
-from producers.weights import WeightSubscriber
+from producers.weights import WeightSubscriber, local_path
 from schemas import topics as T
 from schemas import weights as W
 from schemas.kafka import make_producer
@@ -71,6 +71,40 @@ def test_anchors_at_start_every_k_versions_and_on_request_deltas_between(kafka_c
         rebuilt = published(ws, v)
         assert torch.equal(rebuilt["w"], W.to_torch(state["w"]))
     assert all(ws[v].digest == W.digest(states[v]) for v in range(8))
+
+
+def _nudged(v: int) -> W.State:
+    """tiny-llama's seed-0 policy in bf16, moved by v x 1e-2: version v of a run."""
+    return {k: W.from_torch((t + v * 1e-2).bfloat16()) for k, t in load_model("tiny-llama", seed=0).state_dict().items()}
+
+
+def test_a_producer_that_cannot_reach_the_newest_version_gets_an_anchor_on_request(kafka_cfg, tmp_path):
+    """A late producer finds the chain broken (a delta's file gone): it asks on sao.weights.requests,
+    the learner's next publication is an anchor although --weights.anchor-every is far off, and the
+    producer then serves exactly that version."""
+    pub = _publisher(kafka_cfg, tmp_path, anchor_every=1000, inline_bytes=0)  # files: one can go missing
+    asks = AnchorRequests(kafka_cfg, pub)
+    gen = HFGenerator(load_model("tiny-llama", seed=0), seed=0)
+    sub = WeightSubscriber(kafka_cfg, gen, requester="late-producer")
+    try:
+        for v in range(3):
+            pub.submit(_nudged(v), v, step=v)
+            pub.wait()
+        local_path(announcements(kafka_cfg, timeout=5)[1].uri).unlink()  # v1's delta lost
+        sub.start()
+        wait_until(lambda: pub.anchor_requests == 1)
+        assert gen.version == 0 and sub.counts["anchor_asks"] == 1  # v1 and v2 out of reach
+        pub.submit(_nudged(3), 3, step=3)
+        pub.wait()
+        wait_until(lambda: gen.version == 3)
+    finally:
+        sub.close()
+        asks.close()
+        pub.close()
+    ws = announcements(kafka_cfg, timeout=5)
+    assert [w.base for w in ws] == [-1, 0, 1, -1]  # the requested anchor, 997 versions early
+    assert pub.last["weights/anchor_requests"] == 1
+    assert_close_state(gen.model.state_dict(), {k: W.to_torch(t).float() for k, t in _nudged(3).items()}, rtol=0)
 
 
 def test_a_newer_snapshot_supersedes_the_queued_one_and_submit_never_waits(kafka_cfg, tmp_path):

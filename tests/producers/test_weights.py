@@ -19,10 +19,11 @@ from producers.generate.hf import HFGenerator
 from producers.metrics import weight_update_gauges
 from producers.models import load_model
 from producers.weights import WeightSubscriber
+from schemas import topics as T
 from schemas import weights as W
 from schemas.config import ConfigError
 from schemas.messages import Weights
-from tests.producers.util import announce, announcement, state_of, wait_until, write_weights
+from tests.producers.util import announce, announcement, read_topic, state_of, wait_until, write_weights
 
 PARAMS = SamplingParams(temperature=1.0, max_tokens=12, seed=0)
 PROMPT = [1, 5, 9]
@@ -117,13 +118,14 @@ def on_version_1(kafka_cfg, gen, v0, tmp_path) -> tuple[Line, dict, WeightSubscr
 def test_a_missing_delta_is_refused_then_the_next_anchor_and_its_chain_load(kafka_cfg, gen, v0, tmp_path):
     line, s, sub = on_version_1(kafka_cfg, gen, v0, tmp_path)
     try:
-        s[2] = nudged(s[1], 2)
+        s[2], seen = nudged(s[1], 2), sub.handled
         w2 = line.publish(2, s[2], base=1, inline=False, file_gone=True)
-        wait_until(lambda: sub.counts["rejected"] == 1)
-        s[3] = nudged(s[2], 3)
-        seen = sub.handled
-        line.publish(3, s[3], base=2)  # onto the version it could not load: no way there
         wait_until(lambda: sub.handled == seen + 1)
+        assert sub.counts["rejected"] == 1 and sub.counts["anchor_asks"] == 1  # asked for an anchor
+        s[3] = nudged(s[2], 3)
+        line.publish(3, s[3], base=2)  # onto the version it could not load: no way there
+        wait_until(lambda: sub.handled == seen + 2)
+        assert sub.counts["anchor_asks"] == 1  # asked once, not at every announcement
         assert gen.version == 1 and same_weights(gen.model, s[1])  # nothing half-applied
         s[4], s[5] = nudged(s[3], 4), nudged(s[3], 5)
         line.publish(4, s[4])
@@ -247,7 +249,9 @@ def test_a_new_subscriber_starts_from_the_newest_loadable_version(kafka_cfg, gen
     sub = subscribe(kafka_cfg, gen)
     try:
         assert gen.version == 1 and same_weights(gen.model, state_of(v1))
-        assert sub.counts == {"loaded": 1, "rejected": 1, "ignored": 0, "invalid": 0}
+        assert sub.counts == {"loaded": 1, "rejected": 1, "ignored": 0, "invalid": 0, "anchor_asks": 1}
+        [ask] = read_topic(kafka_cfg, T.WEIGHT_REQUESTS, 1)  # v2 is out of reach: the learner is asked
+        assert (ask.held_version, ask.wanted_version) == (1, 2) and "v2" in ask.reason
     finally:
         sub.close()
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from schemas.messages import (
-    SCHEMA_VERSION, TOKEN_ARRAYS, DeadLetter, Limits, Prompt, Reward, SchemaError, Trajectory, Weights, decode)
+    SCHEMA_VERSION, TOKEN_ARRAYS, AnchorRequest, DeadLetter, Limits, Prompt, Reward, SchemaError, Trajectory, Weights, decode)
 
 text = st.text(max_size=40)
 finite = st.floats(allow_nan=False, allow_infinity=False, width=64)
@@ -54,6 +54,8 @@ messages = st.one_of(
         version=3, step=3, base=2, payload=p, digest="e" * 64, num_bytes=len(p))),
     st.builds(DeadLetter, source_topic=text, partition=st.integers(-1, 1000),
               offset=st.integers(-1, 2**62), error=text, payload=st.binary(max_size=200), created_at=finite),
+    st.builds(AnchorRequest, requester=text, held_version=st.integers(-1, 2**40), wanted_version=st.integers(0, 2**40),
+              reason=text, created_at=finite),
 )
 
 
