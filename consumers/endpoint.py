@@ -46,7 +46,7 @@ _GONE = {KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC}  # the top
 
 
 @dataclass(kw_only=True)
-class ServeConfig:
+class RewardServeConfig:
     host: str = "127.0.0.1"
     """Address to bind; anything beyond loopback needs `--reward-token`."""
     port: int = 8089
@@ -161,7 +161,7 @@ def parse_reward(m: dict) -> Reward:
 class RewardServer:
     """The HTTP server, its pending-id reader and its publisher; `serve_forever` until `close`."""
 
-    def __init__(self, cfg: ServeConfig):
+    def __init__(self, cfg: RewardServeConfig):
         self.cfg = cfg
         self.seen = SeenIds(cfg.kafka, cfg.max_seen)
         self.publisher = RewardPublisher(cfg.kafka)
@@ -223,7 +223,7 @@ class RewardServer:
         self.publisher.producer.flush(10)
 
 
-def run(cfg: ServeConfig) -> None:
+def run(cfg: RewardServeConfig) -> None:
     server = RewardServer(cfg)
     log.info("reward endpoint on http://%s:%d/rewards (token %s)", cfg.host, server.port,
              "required" if cfg.reward_token else "not required: loopback only")

@@ -2,7 +2,7 @@
 
 Both topics are keyed by trajectory id and have the same partition count, so faust assigns
 partition p of both (and of the tick topic) to one worker, and the one table of entries
-(`consumers.join`) is partitioned the same way, its changelog topic holding partition p's state.
+(`consumers.join_rules`) is partitioned the same way, its changelog topic holding partition p's state.
 Instances started with the same `--app-id` share the partitions; one that stops or dies hands its
 partitions to the others, who rebuild the table from the changelog. Timeouts need a write in
 partition p's context (faust writes the changelog of the event's partition), so each worker's timer
@@ -30,7 +30,7 @@ import faust
 from confluent_kafka import KafkaException, TopicPartition
 from faust.transport.drivers import aiokafka as faust_kafka
 
-from consumers import join
+from consumers import join_rules
 from consumers.metrics import JoinerMetrics
 from schemas import topics as T
 from schemas.config import ConfigError
@@ -83,8 +83,8 @@ class JoinerConfig:
             raise ConfigError("--reward-timeout and --orphan-timeout must be > 0")
 
     @property
-    def timeouts(self) -> join.Timeouts:
-        return join.Timeouts(reward_s=self.reward_timeout, orphan_s=self.orphan_timeout, remember_s=self.remember,
+    def timeouts(self) -> join_rules.Timeouts:
+        return join_rules.Timeouts(reward_s=self.reward_timeout, orphan_s=self.orphan_timeout, remember_s=self.remember,
                              default_reward=self.default_reward if self.on_timeout == "default" else None)
 
     @property
@@ -135,9 +135,9 @@ class Joiner:
         app.timer(cfg.sweep_every)(self.tick)
         app.on_partitions_revoked.connect(self.on_revoked)
 
-    def get(self, key: bytes) -> join.Entry | None:
+    def get(self, key: bytes) -> join_rules.Entry | None:
         raw = self.entries.get(key)
-        return join.Entry.decode(raw) if raw is not None else None
+        return join_rules.Entry.decode(raw) if raw is not None else None
 
     async def dead_letter(self, record: Input, error: Exception) -> None:
         log.warning("dead letter from %s[%d]@%d: %s", record.topic, record.partition, record.offset, error)
@@ -146,7 +146,7 @@ class Joiner:
                         error=str(error), payload=record.value or b"")
         await self.dlq.send(key=record.key, value=dl.encode())
 
-    async def apply(self, key: bytes, result: join.Result) -> None:
+    async def apply(self, key: bytes, result: join_rules.Result) -> None:
         entry, emit, what = result
         if emit is not None:
             # sent before the table write, so a crash between the two repeats the output (the
@@ -157,7 +157,7 @@ class Joiner:
         else:
             self.entries[key] = entry.encode()
         self.index.update(key, entry)
-        self.metrics.event(what, latency=join.latency_s(entry) if what == "joined" else None)
+        self.metrics.event(what, latency=join_rules.latency_s(entry) if what == "joined" else None)
 
     async def on_pending(self, stream) -> None:
         await self.each(stream, self.pending)
@@ -205,7 +205,7 @@ class Joiner:
         except SchemaError as e:
             await self.dead_letter(r, e)
             return
-        await self.apply(r.key, join.add_trajectory(self.get(r.key), r.value, traj, r.timestamp, time.time(),
+        await self.apply(r.key, join_rules.add_trajectory(self.get(r.key), r.value, traj, r.timestamp, time.time(),
                                                     r.partition))
 
     async def reward(self, r: Input) -> None:
@@ -213,7 +213,7 @@ class Joiner:
             reward = Reward.decode(r.value or b"")
             if r.key != reward.key:
                 raise SchemaError("key", f"message key {r.key!r} is not the trajectory id {reward.trajectory_id!r}")
-            result = join.add_reward(self.get(r.key), reward, r.timestamp, time.time(), r.partition)
+            result = join_rules.add_reward(self.get(r.key), reward, r.timestamp, time.time(), r.partition)
         except SchemaError as e:
             await self.dead_letter(r, e)
             return
@@ -223,13 +223,13 @@ class Joiner:
         async for event in stream.events():
             partition = event.message.partition
             if not self.index.built(partition):
-                self.index.rebuild(partition, ((k, join.Entry.decode(v, header_only=True))
+                self.index.rebuild(partition, ((k, join_rules.Entry.decode(v, header_only=True))
                                                for k, v in self.entries.items()))
             now = time.time()
             for key in self.index.due(partition, now):
                 entry = self.get(key)
                 if entry is not None:
-                    await self.apply(key, join.expire(entry, self.cfg.timeouts, now))
+                    await self.apply(key, join_rules.expire(entry, self.cfg.timeouts, now))
             self.metrics.pending(self.index.pending())
 
     async def tick(self) -> None:
@@ -330,7 +330,7 @@ class Index:
     of open trajectories is kept as entries change: counting at every sweep cost 5 % of the
     joiner's CPU in a 8,000-trajectory burst (py-spy)."""
 
-    def __init__(self, timeouts: join.Timeouts):
+    def __init__(self, timeouts: join_rules.Timeouts):
         self.timeouts = timeouts
         self.deadlines: dict[int, dict[bytes, tuple[float, bool]]] = {}  # p -> key -> (deadline, open)
         self.open: dict[int, int] = {}  # p -> how many of its entries are open
@@ -344,7 +344,7 @@ class Index:
             if entry.partition == partition:
                 self.update(key, entry)
 
-    def update(self, key: bytes, entry: join.Entry | None) -> None:
+    def update(self, key: bytes, entry: join_rules.Entry | None) -> None:
         if entry is None:
             for p, d in self.deadlines.items():
                 self._set(p, key, None)

@@ -114,7 +114,7 @@ class FormedStep:
     trajectories: list[Trajectory]
     staleness: list[int]
     dropped: dict[str, list[str]] = field(default_factory=dict)
-    """Rank 0: ids consumed while forming it and not trained, by reason (`Step.dropped`)."""
+    """Rank 0: ids consumed while forming it and not trained, by reason (`StepBatch.dropped`)."""
 
 
 class Learner:
@@ -214,7 +214,7 @@ class Learner:
         step = None
         if self.rank == 0:
             step = self.source.next_step(
-                step_index=self.update.step_count, lag=self.staleness,
+                step_index=self.update.step_count, staleness=self.staleness,
                 max_staleness=self.cfg.max_staleness, batch_trajectories=self.cfg.batch_trajectories,
                 batch_tokens=self.cfg.batch_tokens, stop=stop, poisoned=self.failures.poisoned)
         payloads = broadcast_bytes(step.payloads if step else None, self.device)

@@ -70,7 +70,7 @@ def other_members(kafka: KafkaConfig, group: str, me: str | None = None) -> list
 
 
 @dataclass(frozen=True)
-class Entry:
+class Consumed:
     """A consumed, decoded, trainable trajectory and where it came from."""
 
     traj: Trajectory
@@ -80,10 +80,10 @@ class Entry:
 
 
 @dataclass(kw_only=True)
-class Step:
+class StepBatch:
     """One optimizer step's trajectories, in the order they were consumed."""
 
-    entries: list[Entry] = field(default_factory=list)
+    entries: list[Consumed] = field(default_factory=list)
     staleness: list[int] = field(default_factory=list)
     num_tokens: int = 0
     dropped: dict[str, list[str]] = field(default_factory=dict)
@@ -140,8 +140,8 @@ class TrajectorySource:
         self.topic = kafka.topic(T.TRAJECTORIES)
         self.positions: dict[int, int] = {}  # partition -> next offset to train
         self.trained: dict[str, int] = {}  # the ledger: trajectory id -> step index, oldest first
-        self.dropped: dict[str, tuple[str, int]] = {}  # id -> (Step.dropped reason, step index), likewise
-        self.held: dict[str, list[Entry]] = {}  # group -> members waiting for the rest
+        self.dropped: dict[str, tuple[str, int]] = {}  # id -> (StepBatch.dropped reason, step index), likewise
+        self.held: dict[str, list[Consumed]] = {}  # group -> members waiting for the rest
         self.held_since: dict[str, int] = {}  # group -> step index its first member arrived at
         self.counts = collections.Counter()  # dlq, duplicate, stale, partial_group, dead_step
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
@@ -170,7 +170,7 @@ class TrajectorySource:
         self.positions = {int(p): int(o) for p, o in state["positions"].items()}
         self.trained = dict(state["trained"])
         self.dropped = {i: (reason, step) for i, reason, step in state.get("dropped", [])}  # older: none
-        self.held = {g: [Entry(Trajectory.decode(payload, self.limits), payload, p, o) for payload, p, o in members]
+        self.held = {g: [Consumed(Trajectory.decode(payload, self.limits), payload, p, o) for payload, p, o in members]
                      for g, members in state["held"].items()}
         self.held_since = dict(state["held_since"])
 
@@ -275,15 +275,15 @@ class TrajectorySource:
         return traj
 
     # ------------------------------------------------------------------ step formation
-    def next_step(self, *, step_index: int, lag: Callable[[Trajectory], int], max_staleness: int,
+    def next_step(self, *, step_index: int, staleness: Callable[[Trajectory], int], max_staleness: int,
                   batch_trajectories: int, batch_tokens: int, stop: threading.Event,
-                  poisoned: Callable[[list[str]], str | None] = lambda ids: None) -> Step | None:
+                  poisoned: Callable[[list[str]], str | None] = lambda ids: None) -> StepBatch | None:
         """Block until a step is full; None if `stop` is set first (a partial step is discarded
-        and its trajectories are consumed again after a restart). `lag`: a trajectory's staleness
-        against the learner's version at this step's formation (`staleness`). A step that
+        and its trajectories are consumed again after a restart). `staleness(traj)`: how many versions
+        the trajectory's policy is behind the learner's at this step's formation. A step that
         `poisoned` names an error for is dead-lettered whole and the next one is formed in its place."""
         dropped: dict[str, list[str]] = {}  # what the formations of dead-lettered steps dropped
-        while (step := self._form(step_index, lag, max_staleness, batch_trajectories, batch_tokens,
+        while (step := self._form(step_index, staleness, max_staleness, batch_trajectories, batch_tokens,
                                   stop)) is not None:
             for reason, ids in dropped.items():
                 step.drop(reason, ids)
@@ -299,15 +299,15 @@ class TrajectorySource:
             dropped = step.dropped
         return None
 
-    def _form(self, step_index: int, lag: Callable[[Trajectory], int], max_staleness: int,
-              batch_trajectories: int, batch_tokens: int, stop: threading.Event) -> Step | None:
-        step = Step()
+    def _form(self, step_index: int, staleness: Callable[[Trajectory], int], max_staleness: int,
+              batch_trajectories: int, batch_tokens: int, stop: threading.Event) -> StepBatch | None:
+        step = StepBatch()
         snapshot = (dict(self.positions), collections.Counter(self.counts),
                     {g: list(m) for g, m in self.held.items()}, dict(self.held_since))
 
-        def take(entries: list[Entry]) -> None:
+        def take(entries: list[Consumed]) -> None:
             for e in entries:
-                stale = lag(e.traj)
+                stale = staleness(e.traj)
                 if max_staleness >= 0 and stale > max_staleness:
                     self.counts["stale"] += 1
                     step.drop("stale", [e.traj.id])
@@ -348,7 +348,7 @@ class TrajectorySource:
                 step.drop("duplicate", [traj.id])
             else:
                 seen.add(traj.id)
-                entry = Entry(traj, payload, partition, offset)
+                entry = Consumed(traj, payload, partition, offset)
                 if not self.trainable.needs_groups:
                     take([entry])
                     continue
@@ -374,7 +374,7 @@ class TrajectorySource:
         except KafkaException as e:
             log.debug("progress commit: %s", e)
 
-    def _release(self, group: str) -> list[Entry]:
+    def _release(self, group: str) -> list[Consumed]:
         del self.held_since[group]
         return self.held.pop(group)
 

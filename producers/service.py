@@ -56,7 +56,7 @@ from producers.generate.sim import SimConfig
 from producers.generate.vllm import VLLMConfig
 from producers.metrics import ProducerMetrics
 from producers.offsets import OffsetCommitter
-from producers.rewards import scorer
+from producers.scoring import scorer
 from producers.sandbox import Sandbox, SandboxConfig
 from producers.weights import FollowConfig, WeightSubscriber, learner_store
 from schemas import topics as T

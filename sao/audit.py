@@ -100,7 +100,7 @@ def decoded(records: list[Record], kind: type) -> dict[tuple[int, int], object |
 
 def timed_out(records: list[Record]) -> set[str]:
     """Trajectory ids whose entry in the joiner's table is, last, closed by a timeout."""
-    from consumers.join import Entry
+    from consumers.join_rules import Entry
 
     last = {r.key: r.value for r in records}  # compacted or not, the newest value wins
     return {k.decode() for k, v in last.items() if v and Entry.decode(v, header_only=True).closed == "timeout"}

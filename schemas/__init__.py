@@ -1,0 +1,14 @@
+"""What every process shares: the wire contract, and the helpers more than one package needs.
+
+The wire contract (what crosses a process boundary; changing it changes every service and its
+SCHEMA_VERSION or topic layout): `messages` (the message kinds and their codec), `fields` (the
+codec's bounds and per-token dtypes), `topics` (names, partitions, broker configs), `weights` (the
+payload format of weight updates) and `collective` (the weight broadcast's protocol).
+
+Shared helpers (no wire format; here because `learner`, `producers` and `consumers` never import
+each other, so a rule two of them follow has to live below all three): `kafka` and `retry` (client
+factories, produce-and-wait, range reads, the transient-error rule), `progress` (consumer lag),
+`config` (typed flags and `SAO_*` variables), `http` (the two HTTP servers' guards), `process`
+(signals), `plugins` and `boundary` (loading and calling user code), `catalogue`, `models` and
+`tokenizers` (model names every service agrees on).
+"""

@@ -63,7 +63,7 @@ class ByteTokenizer:
                             tokenize: bool = False, tools: list[dict] | None = None) -> str | list[int]:
         """ChatML. `tools` are listed in the system turn, and an assistant's `tool_calls` render as
         Hermes-style `<tool_call>{"name": …, "arguments": …}</tool_call>` blocks, the format the
-        rollout proxy (producers/proxy.py) parses back out of sampled text."""
+        rollout proxy (producers/serve/proxy.py) parses back out of sampled text."""
         turns = [[m["role"], (m.get("content") or "") + "".join(map(_tool_call, m.get("tool_calls") or ()))]
                  for m in messages]
         if tools:

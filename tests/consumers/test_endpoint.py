@@ -13,7 +13,7 @@ import httpx
 import pytest
 from confluent_kafka.admin import AdminClient
 
-from consumers.endpoint import MAX_BODY, RewardServer, ServeConfig
+from consumers.endpoint import MAX_BODY, RewardServer, RewardServeConfig
 from schemas import topics as T
 from schemas.config import ConfigError
 from schemas.http import HttpConfig
@@ -26,7 +26,7 @@ TOKEN = "s3cret-token"
 READ_TIMEOUT_S = 2.0
 
 
-def _serving(cfg: ServeConfig):
+def _serving(cfg: RewardServeConfig):
     srv = RewardServer(cfg)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     return srv
@@ -34,7 +34,7 @@ def _serving(cfg: ServeConfig):
 
 @pytest.fixture
 def server(kafka_cfg):
-    srv = _serving(ServeConfig(port=0, reward_token=TOKEN, seen_wait=2.0, kafka=kafka_cfg))
+    srv = _serving(RewardServeConfig(port=0, reward_token=TOKEN, seen_wait=2.0, kafka=kafka_cfg))
     yield kafka_cfg, f"http://127.0.0.1:{srv.port}/rewards"
     srv.close()
 
@@ -44,7 +44,7 @@ def hostile(module_kafka):
     """A server for the hostile clients, and a trajectory id it has seen pending."""
     tid = f"t-{uuid.uuid4().hex[:8]}"
     publish(module_kafka, T.PENDING, [pending_trajectory(tid)])
-    srv = _serving(ServeConfig(port=0, reward_token=TOKEN, seen_wait=1.0, kafka=module_kafka,
+    srv = _serving(RewardServeConfig(port=0, reward_token=TOKEN, seen_wait=1.0, kafka=module_kafka,
                                http=HttpConfig(read_timeout_s=READ_TIMEOUT_S)))
     wait_until(lambda: _post(f"http://127.0.0.1:{srv.port}/rewards", {"trajectory_id": tid, "reward": 1})
                .status_code == 202, timeout=60)  # the reader has joined its group and read the id
@@ -84,9 +84,9 @@ def test_a_valid_reward_for_a_pending_trajectory_lands_on_the_rewards_topic_and_
 
 def test_refuses_to_start_beyond_loopback_without_a_token():
     with pytest.raises(ConfigError, match="reward-token"):
-        ServeConfig(host="0.0.0.0")
-    assert ServeConfig(host="127.0.0.1").reward_token == ""
-    assert ServeConfig(host="0.0.0.0", reward_token=TOKEN).host == "0.0.0.0"
+        RewardServeConfig(host="0.0.0.0")
+    assert RewardServeConfig(host="127.0.0.1").reward_token == ""
+    assert RewardServeConfig(host="0.0.0.0", reward_token=TOKEN).host == "0.0.0.0"
 
 
 def test_300_concurrent_rewards_are_all_answered(hostile):
@@ -182,7 +182,7 @@ def test_sigterm_stops_the_server_within_its_bound_with_a_request_in_flight(kafk
 
 def test_started_before_its_topics_exist_it_reads_them_once_they_are_created(kafka_bootstrap):
     kafka = KafkaConfig(bootstrap=kafka_bootstrap, topic_prefix=f"late{uuid.uuid4().hex[:10]}")
-    srv = _serving(ServeConfig(port=0, seen_wait=30.0, kafka=kafka))
+    srv = _serving(RewardServeConfig(port=0, seen_wait=30.0, kafka=kafka))
     try:
         time.sleep(1.0)  # the reader has looked for the pending topic, and not found it
         assert health(srv.port)["pending_ids"] == "waiting" and srv.seen.error is None

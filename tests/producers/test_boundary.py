@@ -11,7 +11,7 @@ import time
 import pytest
 
 from producers.envs.base import Step
-from producers.feeder import Backlog
+from producers.feeder.service import Backlog
 from producers.service import ProducerConfig
 from producers.service import run as produce
 from schemas import topics as T

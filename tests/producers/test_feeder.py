@@ -12,8 +12,8 @@ import threading
 import pytest
 from hypothesis import given, strategies as st
 
-from producers.datasets import epoch_order, load_rows
-from producers.feeder import FEED_HEADER, SAMPLE_HEADER, Backlog, FeedConfig, run
+from producers.feeder.datasets import epoch_order, load_rows
+from producers.feeder.service import FEED_HEADER, SAMPLE_HEADER, Backlog, FeedConfig, run
 from schemas.progress import unfinished
 from schemas import topics as T
 from schemas.kafka import make_consumer, make_producer, produce

@@ -88,7 +88,7 @@ def test_a_refused_request_is_an_invalid_generation_not_a_crash():
 
     from producers.generate.hf import HFGenerator
     from producers.models import load_model
-    from producers.serve import make_server
+    from producers.serve.service import make_server
 
     server = make_server(HFGenerator(load_model("tiny-llama")), None, port=0)
     threading.Thread(target=server.serve_forever, daemon=True).start()

@@ -18,8 +18,8 @@ from producers.envs.base import Step
 from producers.envs.chat import Chat
 from producers.envs.text import text_step
 from producers.episode import Player
-from producers.feeder import Backlog, FeedConfig
-from producers.feeder import run as feed
+from producers.feeder.service import Backlog, FeedConfig
+from producers.feeder.service import run as feed
 from producers.service import ProducerConfig, make_generator, make_parts
 from producers.service import run as produce
 from schemas import topics as T

@@ -29,9 +29,9 @@ from producers.generate.hf import HFGenerator
 from producers.generate.http import HttpGenerator
 from producers.models import load_model
 from schemas.catalogue import TINY_LLAMA_BYTES
-from producers.api import parse_tool_calls, streamable
-from producers.proxy import Sessions, kafka_publisher
-from producers.serve import ServeConfig, make_server
+from producers.serve.api import parse_tool_calls, streamable
+from producers.serve.proxy import Sessions, kafka_publisher
+from producers.serve.service import ServeConfig, make_server
 from sao.broker import free_port
 from schemas import topics as T
 from schemas.config import ConfigError

@@ -24,8 +24,8 @@ from producers.generate.http import HttpGenerator
 from producers.models import load_model
 from schemas.catalogue import TINY_LLAMA, TINY_LLAMA_BYTES
 from schemas.tokenizers import ByteTokenizer, load_tokenizer
-from producers.api import RequestError, parse_request, version_spans
-from producers.serve import chat_template, make_server
+from producers.serve.api import RequestError, parse_request, version_spans
+from producers.serve.service import chat_template, make_server
 from producers.weights import WeightSubscriber
 from tests.producers.util import announce, announcement, wait_until, write_weights
 

@@ -14,7 +14,7 @@ import pytest
 from producers.generate.hf import HFGenerator
 from producers.models import load_model
 from schemas.catalogue import TINY_LLAMA
-from producers.serve import make_server
+from producers.serve.service import make_server
 from schemas.http import HttpConfig
 from schemas.tokenizers import load_tokenizer
 from tests.http_clients import dropped, exchange, flood, half_send, metric, request, seconds_to_stop

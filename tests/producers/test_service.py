@@ -11,7 +11,7 @@ import httpx
 import numpy as np
 from prometheus_client import generate_latest
 
-from producers.feeder import Backlog
+from producers.feeder.service import Backlog
 from producers.metrics import ProducerMetrics
 from producers.envs.python_tool import SYSTEM
 from producers.service import ProducerConfig, run

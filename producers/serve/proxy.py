@@ -43,7 +43,7 @@ from pathlib import Path
 import msgpack
 import numpy as np
 
-from producers.api import RequestError, check_context
+from producers.serve.api import RequestError, check_context
 from producers.envs.chat import Chat
 from producers.generate.base import Generation, SamplingParams
 from schemas import topics as T

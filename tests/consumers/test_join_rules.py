@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from consumers.join import Entry, Timeouts, add_reward, add_trajectory, expire, latency_s
+from consumers.join_rules import Entry, Timeouts, add_reward, add_trajectory, expire, latency_s
 from consumers.joiner import Index
 from schemas.messages import Reward, SchemaError, Trajectory
 from tests.consumers.util import pending_trajectory

@@ -5,7 +5,7 @@ and, as a rollout proxy, for external agents.
 - `POST /v1/chat/completions`: chat messages and tools through the model's chat template, streamed
   (SSE) or not. With a session (`X-SAO-Session: new` or `"session": "new"`, then the receipt id
   that comes back in the header and the body's `session`), the turns of an external agent become
-  one trajectory, assembled from the exact token ids sampled (producers/proxy.py).
+  one trajectory, assembled from the exact token ids sampled (producers/serve/proxy.py).
 - `POST /v1/sessions/{id}/close` with an optional `{"reward": number}`: publishes the session's
   trajectory to `sao.trajectories`, or without a reward to `sao.trajectories.pending`, where a
   reward sent later for the receipt on `sao.rewards` is joined by `sao reward-join`.
@@ -22,7 +22,7 @@ schemas/http.py (a bearer token on every POST when `--serve-token` is set, requi
 loopback since they decide what is trained, checked before the body is read; a body of at most
 1 MiB + 64 bytes per context position; JSON only, bounded; slow clients timed out); sampling
 params that `SamplingParams` accepts and that leave the distribution `softmax(logits / T)`
-(producers/api.py); a prompt plus max_tokens within the model's context window (400); at most
+(producers/serve/api.py); a prompt plus max_tokens within the model's context window (400); at most
 `--max-concurrent` generating requests (429 with Retry-After past it).
 """
 
@@ -43,14 +43,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from producers.api import (RequestError, assistant_reply, chat_chunk, chat_logprobs, chat_response,
+from producers.serve.api import (RequestError, assistant_reply, chat_chunk, chat_logprobs, chat_response,
                            check_context, completion_response, finish_reason, parse_chat, parse_request, streamable,
                            usage, version_spans)
 from producers.envs.chat import Chat
 from producers.generate.base import Generation, SamplingParams
 from producers.generate.hf import HFGenerator
 from producers.models import load_model
-from producers.proxy import Sessions, kafka_publisher
+from producers.serve.proxy import Sessions, kafka_publisher
 from producers.metrics import weight_update_gauges
 from producers.weights import FollowConfig, WeightSubscriber
 from schemas import topics as T

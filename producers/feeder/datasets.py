@@ -9,7 +9,7 @@ reported and skipped; a file with no good row is refused at start.
 
 Epoch e visits the rows in file order, or with `shuffle` in a permutation seeded by (seed, e), so
 every epoch has its own order and a restart recomputes the same one, which is how a restarted
-feed resumes at its row (producers/feeder.py keeps the position in Kafka).
+feed resumes at its row (producers/feeder/service.py keeps the position in Kafka).
 """
 
 from __future__ import annotations

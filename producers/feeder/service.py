@@ -1,7 +1,7 @@
 """`sao feed`: publish prompts to `sao.prompts` with backpressure.
 
 Prompts come from a dataset (`--dataset FILE.jsonl|.parquet`, epochs, optional shuffling:
-producers/datasets.py) or from the environment's own task generator.
+producers/feeder/datasets.py) or from the environment's own task generator.
 Each epoch of a dataset is a new `attempt`, so its rollouts are new trajectories, not duplicates.
 `--group-size G` publishes every prompt G times (samples 0..G-1 of one group) for the group
 baselines (grpo, grpo_dis), which the learner trains only as whole groups. The feeder keeps the
@@ -46,7 +46,7 @@ from pathlib import Path
 from confluent_kafka import TopicPartition
 
 from schemas.boundary import Bounds, call_sync
-from producers.datasets import dataset_prompts, load_rows
+from producers.feeder.datasets import dataset_prompts, load_rows
 from producers.envs import env_factory, make_env
 from schemas.retry import retrying
 from schemas import topics as T
@@ -67,7 +67,7 @@ class FeedConfig:
     """Environment of the prompts (and their generator when no --dataset is given): a built-in
     name, a `sao.envs` entry point or module:attr, as `sao producer --env` takes it."""
     dataset: str = ""
-    """JSONL or Parquet file of prompts (row schema: producers/datasets.py); empty: sample tasks
+    """JSONL or Parquet file of prompts (row schema: producers/feeder/datasets.py); empty: sample tasks
     from the environment."""
     epochs: int = 1
     """Passes over the dataset."""
