@@ -30,8 +30,8 @@ from starlette.routing import Route
 
 from consumers.rewards import RewardPublisher
 from schemas import topics as T
-from schemas.http import Guard, HttpConfig, RequestError, Server, check_exposure, threadsafe
-from schemas.kafka import KafkaConfig, consumer_error, make_consumer
+from schemas.http import Guard, HttpConfig, RequestError, Server, check_exposure
+from schemas.kafka import KafkaConfig, acknowledged, consumer_error, make_consumer
 from schemas.messages import Reward, SchemaError
 from schemas.process import stop_on_signals
 from schemas.retry import transient
@@ -197,16 +197,8 @@ class RewardServer:
 
     async def _publish(self, reward: Reward):
         """None once the broker has `reward`, else why not (its error, or a timeout)."""
-        loop = asyncio.get_running_loop()
-        acked = loop.create_future()
-
-        def settle(err) -> None:  # on the loop; a request that timed out no longer waits
-            if not acked.done():
-                acked.set_result(err)
-
-        on_ack = threadsafe(loop, settle)  # called by the acks thread
-        self.publisher.send(reward, on_delivery=lambda err, msg: on_ack(err))
-        try:
+        acked = acknowledged(self.publisher.producer, self.publisher.topic, reward.encode(), reward.key)
+        try:  # settled by the acks thread
             return await asyncio.wait_for(acked, PUBLISH_TIMEOUT_S)
         except TimeoutError:
             return f"no acknowledgement within {PUBLISH_TIMEOUT_S:g} s"

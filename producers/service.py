@@ -60,8 +60,8 @@ from producers.scoring import scorer
 from producers.sandbox import Sandbox, SandboxConfig
 from producers.weights import FollowConfig, WeightSubscriber, learner_store
 from schemas import topics as T
-from schemas.kafka import (KafkaConfig, consumer_error, dead_letter, decode_or_dead_letter, ensure_topics,
-                           make_consumer, make_producer, produce)
+from schemas.kafka import (KafkaConfig, acknowledged, consumer_error, dead_letter, decode_or_dead_letter,
+                           ensure_topics, make_consumer, make_producer)
 from schemas.process import stop_on_signals
 from schemas.progress import Backpressure
 from schemas.config import ConfigError
@@ -241,9 +241,7 @@ async def deliver(producer, topic: str, traj: Trajectory) -> None:
         raise SchemaError("trajectory", f"{len(payload)} bytes exceeds the {T.MAX_MESSAGE_BYTES}-byte message limit")
     backoff = 0.5
     while True:
-        acked = asyncio.get_running_loop().create_future()
-        produce(producer, topic, payload, key=traj.key, on_delivery=lambda err, _, f=acked: f.done() or f.set_result(err))
-        err = await acked
+        err = await acknowledged(producer, topic, payload, traj.key)
         if err is None:
             return
         if err.code() in _REFUSED:

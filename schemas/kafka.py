@@ -6,6 +6,8 @@ delivery guarantees (idempotent acks=all producers, manually stored offsets) are
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 import threading
@@ -208,13 +210,33 @@ def produce(producer: Producer, topic: str, value: bytes, key: bytes | None = No
     producer.poll(0)
 
 
+def acknowledged(producer: Producer, topic: str, value: bytes, key: bytes | None = None) -> asyncio.Future:
+    """Produce one message; a future on the running event loop that settles with None once the
+    broker has it, or with the delivery error. For asyncio services: whichever thread polls
+    `producer` (the loop's own, or an acknowledgements thread) settles it, and a settlement after
+    the loop closed, or after the caller stopped waiting, is dropped."""
+    loop = asyncio.get_running_loop()
+    acked = loop.create_future()
+
+    def settle(err) -> None:
+        if not acked.done():
+            acked.set_result(err)
+
+    def on_delivery(err, _msg) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed
+            loop.call_soon_threadsafe(settle, err)
+
+    produce(producer, topic, value, key, on_delivery=on_delivery)
+    return acked
+
+
 def produce_and_wait(producer: Producer, topic: str, value: bytes, key: bytes | None = None, *,
                      timeout: float = 30.0, stop: threading.Event | None = None) -> KafkaError | None:
     """Produce one message and serve the producer's callbacks until the broker acknowledges it: None
     once the broker has it, the delivery error if librdkafka gave up on it (the caller decides
     whether to send it again). TimeoutError when neither came within `timeout` seconds or `stop`
-    was set first. For callers that wait on a thread of their own; an asyncio service awaits a
-    future its poll loop settles instead (producers/service.py `deliver`)."""
+    was set first. For callers that wait on a thread of their own; an asyncio service awaits
+    `acknowledged` instead."""
     outcome: list[KafkaError | None] = []
     produce(producer, topic, value, key, on_delivery=lambda err, _: outcome.append(err))
     deadline = time.monotonic() + timeout
