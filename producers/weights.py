@@ -22,9 +22,9 @@ A failed update keeps the old weights serving; it is logged and counted (`reject
 or below the engine's are `ignored`. When the newest version announced is out of reach (a delta
 refused or its file gone, and no anchor after it), the subscriber asks the learner for an anchor
 on `sao.weights.requests` (`anchor_asks`, at most one per `ANCHOR_ASK_EVERY_S`) instead of
-waiting up to `--weights.anchor-every` versions for the next one. An undecodable announcement is logged and counted
-(`invalid`) but not dead-lettered: every producer reads every announcement, so each would send
-its own copy of the same dead letter.
+waiting up to `--weights.anchor-every` versions for the next one. An undecodable announcement is
+logged and counted (`invalid`) but not dead-lettered: every producer reads every announcement, so
+each would send its own copy of the same dead letter.
 """
 
 from __future__ import annotations
@@ -147,6 +147,7 @@ class WeightSubscriber:
     def close(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self._thread.join(timeout)
+        self._asker = None  # its client goes now, not when the subscriber is collected
         if self._link is not None:
             self._link.close()
         if self._own_scratch:
@@ -249,13 +250,12 @@ class WeightSubscriber:
         held or loaded: no chain from an anchor this subscriber has reaches it. Best effort: an
         ask that fails is logged, and the next scheduled anchor comes anyway."""
         newest = max((w.version for w in self._history), default=-1)
-        now = time.monotonic()
-        if (not self.verify_files or newest <= max(self.held_version, self.generator.version)
-                or now - self._asked_at < ANCHOR_ASK_EVERY_S):
+        held, now = max(self.held_version, self.generator.version), time.monotonic()
+        if not self.verify_files or newest <= held or now - self._asked_at < ANCHOR_ASK_EVERY_S:
             return
         self._asked_at = now
-        ask = AnchorRequest(requester=self.requester, held_version=max(self.held_version, self.generator.version),
-                            wanted_version=newest, reason=self._refusal or "no anchor reaches it")
+        ask = AnchorRequest(requester=self.requester, held_version=held, wanted_version=newest,
+                            reason=self._refusal or "no anchor reaches it")
         self._asker = self._asker or make_producer(self.kafka)
         try:
             err = produce_and_wait(self._asker, self.kafka.topic(T.WEIGHT_REQUESTS), ask.encode(), ask.key,

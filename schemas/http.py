@@ -20,7 +20,6 @@ request. GETs (health, metrics) need no token: they say nothing a client could t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import hashlib
 import hmac
@@ -106,15 +105,6 @@ def error_response(e: RequestError, close: bool) -> JSONResponse:
     if close:
         headers["Connection"] = "close"
     return JSONResponse(error_body(str(e), e.status, e.param), e.status, headers)
-
-
-def threadsafe(loop: asyncio.AbstractEventLoop, fn: Callable) -> Callable:
-    """`fn` made callable from another thread (an engine, a Kafka callback), run on `loop`. It
-    never raises into that thread: a call after the loop closed (the server stopped) is dropped."""
-    def call(*args) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop is closed
-            loop.call_soon_threadsafe(fn, *args)
-    return call
 
 
 class _Refused:

@@ -7,7 +7,6 @@ delivery guarantees (idempotent acks=all producers, manually stored offsets) are
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import threading
@@ -20,6 +19,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from . import topics as T
 from .messages import DEFAULT_LIMITS, DeadLetter, Limits, SchemaError, decode
+from .process import threadsafe
 
 log = logging.getLogger(__name__)
 
@@ -222,11 +222,8 @@ def acknowledged(producer: Producer, topic: str, value: bytes, key: bytes | None
         if not acked.done():
             acked.set_result(err)
 
-    def on_delivery(err, _msg) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop is closed
-            loop.call_soon_threadsafe(settle, err)
-
-    produce(producer, topic, value, key, on_delivery=on_delivery)
+    on_loop = threadsafe(loop, settle)
+    produce(producer, topic, value, key, on_delivery=lambda err, _msg: on_loop(err))
     return acked
 
 

@@ -55,10 +55,10 @@ from producers.metrics import weight_update_gauges
 from producers.weights import FollowConfig, WeightSubscriber
 from schemas import topics as T
 from schemas.config import ConfigError
-from schemas.http import Guard, HttpConfig, Server, check_exposure, threadsafe
+from schemas.http import Guard, HttpConfig, Server, check_exposure
 from schemas.kafka import KafkaConfig, ensure_topics, make_producer
 from schemas.models import check_model
-from schemas.process import stop_on_signals
+from schemas.process import stop_on_signals, threadsafe
 from schemas.tokenizers import load_tokenizer
 
 log = logging.getLogger(__name__)
