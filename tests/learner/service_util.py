@@ -63,18 +63,20 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
 
 
-def announcements(cfg: KafkaConfig, timeout: float = 30) -> list[Weights]:
-    """Every weights announcement on the topic, in order."""
+def announcements(cfg: KafkaConfig, timeout: float = 30, until: int | None = None) -> list[Weights]:
+    """Every weights announcement on the topic, in order; with `until`, the first `until` of them
+    as soon as they are there (from a learner still running), else what came within `timeout`."""
     consumer = make_consumer(cfg, f"reader-{time.time_ns()}")
     consumer.subscribe([cfg.topic(T.WEIGHTS)])
     got, idle_until = [], time.monotonic() + timeout
     try:
-        while time.monotonic() < idle_until:
-            msg = consumer.poll(0.5)
+        while time.monotonic() < idle_until and (until is None or len(got) < until):
+            msg = consumer.poll(0.1 if until else 0.5)
             if msg is None or msg.error():
                 continue
             got.append(Weights.decode(msg.value()))
-            idle_until = time.monotonic() + 3  # settle: nothing more for 3 s
+            if until is None:
+                idle_until = time.monotonic() + 3  # settle: nothing more for 3 s
     finally:
         consumer.close()
     return got

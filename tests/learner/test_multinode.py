@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 from sao.broker import free_port
 from schemas.kafka import KafkaConfig, ensure_topics
@@ -25,14 +26,22 @@ from tests.kafka_util import wait_until
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "SAO_LOG_LEVEL": "WARNING"}
 
 
-def node(port: int, job: str, nnodes: str, flags: list[str]) -> subprocess.Popen:
-    """One node's torchrun agent with one rank, in a process group of its own (its 'machine')."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", "1",
-         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", job,
-         "--rdzv-conf", "last_call_timeout=3,join_timeout=120", "--max-restarts", "3", "-m", "learner.service",
-         *flags], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        start_new_session=True)
+def node(port: int, job: str, nnodes: str, flags: list[str], log: Path) -> subprocess.Popen:
+    """One node's torchrun agent with one rank, in a process group of its own (its 'machine'), its
+    stderr (agent and rank) in `log`. With fewer than the most nodes, a rendezvous waits
+    `last_call_timeout` for more: long enough that a second agent started at the same time joins
+    the first round instead of arriving as a scale-up (a second path, not the one tested here)."""
+    with log.open("w") as err:
+        return subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", "1",
+             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", job,
+             "--rdzv-conf", "last_call_timeout=15,join_timeout=120", "--max-restarts", "3", "-m", "learner.service",
+             *flags], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+
+
+def tails(*logs: Path) -> str:
+    """The end of each agent's log, for a failure message."""
+    return "\n".join(f"--- {log.name}\n{log.read_text()[-3000:]}" for log in logs)
 
 
 def accepts(port: int) -> bool:
@@ -61,10 +70,11 @@ def test_two_nodes_train_exactly_as_one_process(kafka_bootstrap, tmp_path):
     run_learner(learner_cmd(one, tmp_path / "one", *flags))
     two = _run(kafka_bootstrap, "two", trajs)
     port, cmd = free_port(), learner_cmd(two, tmp_path / "two", *flags)[4:]
-    agents = [node(port, "same", "2", cmd) for _ in range(2)]
+    logs = [tmp_path / f"node{i}.log" for i in range(2)]
+    agents = [node(port, "same", "2", cmd, log) for log in logs]
     try:
         for agent in agents:
-            assert agent.wait(300) == 0, agent.stderr.read()[-3000:]
+            assert agent.wait(300) == 0, tails(*logs)
     finally:
         for agent in agents:
             agent.kill()
@@ -79,19 +89,20 @@ def test_a_node_sigkilled_mid_run_and_the_survivor_resumes_alone_exactly_once(ka
     flags = learner_cmd(cfg, tmp_path, "--batch-trajectories", "4", "--max-steps", "20", "--max-staleness", "-1",
                         "--checkpoint-every", "2")[4:]
     port = free_port()
-    first = node(port, "elastic", "1:2", flags)  # hosts the rendezvous store
+    logs = tmp_path / "first.log", tmp_path / "second.log"
+    first = node(port, "elastic", "1:2", flags, logs[0])  # hosts the rendezvous store
     wait_until(lambda: accepts(port) or first.poll() is not None, timeout=60)
-    second = node(port, "elastic", "1:2", flags)
+    second = node(port, "elastic", "1:2", flags, logs[1])
     try:
         deadline = time.monotonic() + 300
         while len(metrics(tmp_path)) < 5 and time.monotonic() < deadline and first.poll() is None:
             time.sleep(0.1)
-        assert len(metrics(tmp_path)) >= 5, first.stderr.read()[-3000:]
+        assert len(metrics(tmp_path)) >= 5, tails(*logs)
         assert len(list(latest_checkpoint(tmp_path).glob("*.distcp"))) == 2  # both nodes were in it
         for pid in [second.pid, *descendants(second.pid)]:  # the whole node: its agent and its rank (which
             os.kill(pid, signal.SIGKILL)                     # torchrun starts in a session of its own)
         second.wait()
-        assert first.wait(400) == 0, first.stderr.read()[-4000:]  # restarted alone, to the end
+        assert first.wait(400) == 0, tails(*logs)  # restarted alone, to the end
     finally:
         for agent in (first, second):
             for pid in [agent.pid, *descendants(agent.pid)]:

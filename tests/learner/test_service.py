@@ -147,10 +147,8 @@ def test_versions_published_after_the_last_checkpoint_are_never_reused(kafka_cfg
     flags = ("--batch-trajectories", "4", "--max-steps", "12", "--max-staleness", "-1", "--checkpoint-every", "5")
     proc = subprocess.Popen(learner_cmd(kafka_cfg, tmp_path, *flags), cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    deadline = time.monotonic() + 120
-    while len(metrics(tmp_path)) < 2 and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
+    announcements(kafka_cfg, timeout=120, until=3)  # versions 0-2: the publisher announces off the training
+    proc.send_signal(signal.SIGKILL)                 # thread, so a step's metrics can come before its version
     assert proc.wait() == -signal.SIGKILL
     assert not (tmp_path / "learner" / "checkpoints").exists() or not list(
         (tmp_path / "learner" / "checkpoints").glob("step*"))  # killed before the first checkpoint
