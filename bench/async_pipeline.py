@@ -17,7 +17,6 @@ Run: `python bench/async_pipeline.py [--steps 150] [--quick]`.
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import platform
@@ -33,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.async_stability import ALGORITHMS  # noqa: E402
 from bench.loop import finite_mean  # noqa: E402
 from bench.pretrain import pretrained_start  # noqa: E402
+from bench.report import command_line  # noqa: E402
 from sao.broker import BrokerConfig, cluster  # noqa: E402
 from sao.report import load_steps  # noqa: E402
 from sao.up import UpConfig, run_up  # noqa: E402
@@ -57,8 +57,7 @@ def summary(steps: list[dict]) -> dict[str, str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_line(__doc__)
     parser.add_argument("--quick", action="store_true", help="20 steps per method, quick start")
     parser.add_argument("--steps", type=int, help="learner steps per method (default 150)")
     parser.add_argument("--algorithms", nargs="+", default=ALGORITHMS, choices=ALGORITHMS)

@@ -42,6 +42,7 @@ import torch  # noqa: E402
 from bench.loop import SMOOTH, LoopConfig, finite_mean, trailing_mean  # noqa: E402
 from bench.loop import run as train  # noqa: E402
 from bench.pretrain import pretrained_start  # noqa: E402
+from bench.report import command_line, save_figure  # noqa: E402
 from learner.update import UpdateConfig  # noqa: E402
 
 ALGORITHMS = ("sao", "grpo_dis", "grpo", "running_mean", "vapo")
@@ -127,14 +128,11 @@ def plot(curves: dict[tuple[int, str], list[Curves]], staleness: list[int], args
         ax.set(title=f"rollouts {s} versions old", xlabel="learner step", ylim=(0, 1))
     axes[0][0].set_ylabel(f"reward ({SMOOTH}-step mean over seeds; x = collapse)")
     axes[0][0].legend(fontsize=8)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_line(__doc__)
     parser.add_argument("--quick", action="store_true",
                         help="a few minutes: 150 steps, 1 seed, staleness 0 and 8, quick start")
     parser.add_argument("--steps", type=int, help="learner steps per run (default 1000)")

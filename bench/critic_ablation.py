@@ -39,6 +39,7 @@ import torch  # noqa: E402
 
 from bench.loop import SMOOTH, LoopConfig, finite_mean, run, trailing_mean  # noqa: E402
 from bench.pretrain import CACHE, PretrainConfig, pretrained_start, value_ceiling  # noqa: E402
+from bench.report import command_line, save_figure  # noqa: E402
 from learner.update import UpdateConfig  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -183,15 +184,11 @@ def plot(runs: dict[Variant, list[list[dict]]], path: Path, ceiling: dict[str, f
                        color="k", label="best possible critic at the start")
         ax.legend(fontsize=7)
         ax.set(title=f"{MODELS[kind]}: EV by third of the response, steps {WARMUP}-end")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    save_figure(fig, path, dpi=90)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_line(__doc__)
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--batch", type=int, default=16, help="trajectories per step")

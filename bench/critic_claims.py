@@ -50,9 +50,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from bench.report import command_line, save_figure  # noqa: E402
 from bench.rollouts import smollm2_rollouts  # noqa: E402
 from learner.gae import skip_observation_gae  # noqa: E402
 from learner.logprobs import collate  # noqa: E402
@@ -269,10 +269,7 @@ def plot(runs: dict[Variant, list[dict]], path: Path) -> None:
                    yscale="log")
         for ax in row:
             ax.legend(fontsize=7)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    save_figure(fig, path, dpi=90)
 
 
 def report(saved: dict, out: Path) -> str:
@@ -287,7 +284,7 @@ def report(saved: dict, out: Path) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = command_line(__doc__)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch", type=int, default=4, help="small, so that 20 steps fit the budget")
     ap.add_argument("--held-out", type=int, default=24)

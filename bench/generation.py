@@ -15,7 +15,6 @@ after one warm-up request. A math chat prompt of the model's chat template.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import datetime
 import os
@@ -33,6 +32,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
+from bench.report import command_line  # noqa: E402
 from producers.envs.chat import Chat  # noqa: E402
 from producers.generate.base import SamplingParams  # noqa: E402
 from producers.generate.hf import HFGenerator  # noqa: E402
@@ -86,7 +86,7 @@ def sweep(label: str, gen, prompt: list[int], args) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = command_line(__doc__)
     ap.add_argument("--models", nargs="+", default=["smollm2"])
     ap.add_argument("--backends", nargs="+", default=["hf", "sim"], choices=["hf", "http", "sim"])
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16, 64])

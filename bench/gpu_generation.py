@@ -14,7 +14,6 @@ Imports nothing Kafka- or CLI-related.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.report import command_line  # noqa: E402
 from bench.shapes import SMOLLM2_135M  # noqa: E402
 from learner.logprobs import collate, token_logprobs  # noqa: E402
 from producers.generate.base import SamplingParams  # noqa: E402
@@ -62,7 +62,7 @@ def recompute_gap(model, samples: list) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = command_line(__doc__)
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 16, 64])
     ap.add_argument("--tokens", type=int, default=128)
     args = ap.parse_args()

@@ -16,7 +16,6 @@ dense: 989). Imports nothing Kafka- or CLI-related: the GPU machine may lack tho
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -27,6 +26,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.report import command_line  # noqa: E402
 from bench.shapes import LLAMA_1B, SMOLLM2_135M, synthetic  # noqa: E402
 from learner.logprobs import collate, model_inputs, target_logprobs, token_logprobs  # noqa: E402
 from learner.models import build_models, tiny_llama, tiny_qwen3_moe  # noqa: E402
@@ -116,7 +116,7 @@ def bench_shape(name: str, args, device: torch.device) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = command_line(__doc__)
     ap.add_argument("--models", default="smollm2-135m,llama-1b", help=f"comma-separated, of {list(SHAPES)}")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--batch", type=int, default=64)

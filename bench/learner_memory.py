@@ -11,7 +11,6 @@ process's resident set (bench/rss.py).
 
 from __future__ import annotations
 
-import argparse
 import copy
 import multiprocessing
 import os
@@ -23,6 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.report import command_line  # noqa: E402
 from bench.rss import PeakRSS  # noqa: E402
 
 
@@ -63,7 +63,7 @@ def measure(args, chunk_tokens: int) -> tuple[int, int, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = command_line(__doc__)
     ap.add_argument("--length", type=int, default=4096)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--chunk-tokens", type=int, default=1024)

@@ -15,7 +15,6 @@ weight publication in the timed window (what Kafka consumption and step formatio
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -32,6 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.report import command_line  # noqa: E402
 from bench.shapes import synthetic  # noqa: E402
 from learner.models import ModelConfig, build_models, build_policy  # noqa: E402
 from learner.parallel import ParallelConfig, init_distributed  # noqa: E402
@@ -75,7 +75,7 @@ def service(bootstrap: str, trajs: list[Trajectory], model: ModelConfig, batch: 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = command_line(__doc__)
     ap.add_argument("--steps", type=int, default=21,
                     help="21: the timed window (steps 2..21) holds two default checkpoints (every 10)")
     ap.add_argument("--batch", type=int, default=16)

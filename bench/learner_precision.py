@@ -11,7 +11,6 @@ in forward and backward, float32 master weights, gradients reduced in float32), 
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import platform
@@ -25,6 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from bench.report import command_line  # noqa: E402
 from bench.rollouts import smollm2_rollouts  # noqa: E402
 from learner.models import ModelConfig, build_models, build_policy  # noqa: E402
 from learner.parallel import ParallelConfig, init_distributed  # noqa: E402
@@ -51,7 +51,7 @@ def run(bf16: bool, trajs, steps: int, batch: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = command_line(__doc__)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)

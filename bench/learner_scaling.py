@@ -15,7 +15,6 @@ barrier, so the slowest rank counts).
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import sys
@@ -30,6 +29,7 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.report import command_line  # noqa: E402
 from bench.shapes import synthetic  # noqa: E402
 from learner.models import ModelConfig, build_models, build_policy  # noqa: E402
 from learner.parallel import ParallelConfig, init_distributed  # noqa: E402
@@ -68,7 +68,7 @@ def tokens_per_s(world: int, threads: int, args, budget: int, gather_once: bool 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = command_line(__doc__)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--length", type=int, default=512, help="longest trajectory; lengths vary down to half")

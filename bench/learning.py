@@ -30,6 +30,7 @@ import torch  # noqa: E402
 
 from bench.loop import SMOOTH, TASKS, LoopConfig, trailing_mean  # noqa: E402
 from bench.loop import run as train  # noqa: E402
+from bench.report import command_line, save_figure  # noqa: E402
 from learner.update import UpdateConfig  # noqa: E402
 
 ALGORITHMS = ("sao", "grpo_dis", "running_mean", "grpo")
@@ -87,14 +88,11 @@ def plot(curves: dict[tuple[str, str], list[list[float]]], path: Path) -> None:
         ax.set(title=env_name, xlabel="learner step", ylabel=f"reward ({SMOOTH}-step mean)",
                ylim=(0, 1))
         ax.legend()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_line(__doc__)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--batch", type=int, default=16, help="trajectories per step, a multiple of 8")

@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.async_stability import collapse_step  # noqa: E402
 from bench.loop import finite_mean, trailing_mean  # noqa: E402
+from bench.report import command_line, save_figure  # noqa: E402
 from sao import report  # noqa: E402
 
 METHODS = ("sao", "grpo_dis", "running_mean")
@@ -120,10 +121,7 @@ def plot(runs: dict[str, tuple[Curves, float]], args: argparse.Namespace, path: 
     ax_s.set(title="staleness p99 (versions)", xlabel="learner step")
     ax_s.axhline(args.max_lag_steps, color="grey", ls=":", lw=1)
     ax_r.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def report_runs(raw: dict, args: argparse.Namespace) -> str:
@@ -142,7 +140,7 @@ def report_runs(raw: dict, args: argparse.Namespace) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_line(__doc__)
     parser.add_argument("--quick", action="store_true",
                         help="a minute or two a method: tiny-llama on toy-target, 6 steps of 8, no judge")
     parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)

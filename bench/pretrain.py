@@ -24,7 +24,6 @@ the folder alone, which `make run-tiny` trains from).
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
@@ -45,6 +44,7 @@ from safetensors.torch import save_model  # noqa: E402
 from torch import nn  # noqa: E402
 
 from bench.loop import TASKS  # noqa: E402
+from bench.report import command_line  # noqa: E402
 from learner.models import ModelConfig, build_policy, tiny_llama, tiny_qwen3_moe  # noqa: E402
 from producers.envs import make_env  # noqa: E402
 from producers.envs.toy import BOS, FIRST, SEP  # noqa: E402
@@ -251,8 +251,7 @@ def pretrained_start(kind: Kind = "llama", *, quick: bool = False, out: Path | N
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_line(__doc__)
     parser.add_argument("--kind", default="llama", choices=["llama", "qwen3_moe", "smollm2"])
     parser.add_argument("--quick", action="store_true", help=f"train 1/{QUICK} of the steps")
     parser.add_argument("--out", type=Path, help="folder to write (default: the cache)")

@@ -20,7 +20,6 @@ Run: `python bench/reward_join.py [--count 3000 --instances 2 --profile --exactl
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import platform
@@ -39,6 +38,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.kafka_path import BYTES_PER_TOKEN, run_case  # noqa: E402
+from bench.report import command_line  # noqa: E402
 from consumers.rewards import RewardPublisher  # noqa: E402
 from sao.broker import BrokerConfig, EmbeddedBroker  # noqa: E402
 from sao.demo import random_trajectory  # noqa: E402
@@ -178,7 +178,7 @@ def joined_case(cfg: KafkaConfig, size: int, count: int, warmup: int, paced: int
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = command_line(__doc__)
     ap.add_argument("--count", type=int, default=3000, help="trajectories of the 4 KB burst (256 KB: count/10)")
     ap.add_argument("--warmup", type=int, default=10000,
                     help="trajectories of the 4 KB warm-up burst before each measured one (256 KB: warmup/10)")

@@ -19,7 +19,6 @@ Run: `python bench/style_shift.py [--steps-per-phase 80 --batch 16 --model tiny|
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import os
@@ -34,6 +33,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.report import command_line, save_figure  # noqa: E402
 from consumers.control import set_criterion  # noqa: E402
 from consumers.judge import completion_text  # noqa: E402
 from consumers.judges import STYLES  # noqa: E402
@@ -147,12 +147,11 @@ def plot(curves: dict, styles: list[str], path: Path) -> None:
         for method, c in curves.items():
             for a, _, _ in phase_table(c)[1:]:
                 ax.axvline(a, color="grey", ls="--" if method == "sao" else ":", lw=0.8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = command_line(__doc__)
     ap.add_argument("--styles", nargs="+", default=["uppercase", "digits", "lowercase"])
     ap.add_argument("--steps-per-phase", type=int, default=80)
     ap.add_argument("--batch", type=int, default=16)

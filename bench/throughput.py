@@ -24,7 +24,6 @@ then async / sync.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -43,6 +42,7 @@ import numpy as np  # noqa: E402
 from confluent_kafka import KafkaException  # noqa: E402
 from confluent_kafka.admin import AdminClient  # noqa: E402
 
+from bench.report import command_line  # noqa: E402
 from learner.source import group_id  # noqa: E402
 from producers.generate.sim import SimConfig, output_length  # noqa: E402
 from sao.broker import BrokerConfig, EmbeddedBroker  # noqa: E402
@@ -157,7 +157,7 @@ def physical_limit(args) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = command_line(__doc__)
     ap.add_argument("--steps", type=int, default=8, help="learner steps per mode (128 trajectories each)")
     ap.add_argument("--producers", type=int, default=2)
     ap.add_argument("--concurrency", type=int, default=64)

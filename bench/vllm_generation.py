@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import datetime
 import os
@@ -31,6 +30,7 @@ import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from bench.generation import QUESTION, tokens_per_s  # noqa: E402
+from bench.report import command_line  # noqa: E402
 from producers.envs.chat import Chat  # noqa: E402
 from producers.generate.base import SamplingParams  # noqa: E402
 from producers.generate.hf import HFGenerator  # noqa: E402
@@ -79,7 +79,7 @@ def pause_with_requests_in_flight(gen: VLLMGenerator, prompt: list[int], path: s
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = command_line(__doc__)
     ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16])
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "vllm_generation.md")

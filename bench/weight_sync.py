@@ -22,7 +22,6 @@ pause (a forward hook records the version of every decode step). Figures:
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -41,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from bench.report import command_line  # noqa: E402
 from bench.shapes import synthetic  # noqa: E402
 from learner.models import tiny_llama  # noqa: E402
 from producers.generate.base import SamplingParams  # noqa: E402
@@ -155,7 +155,7 @@ def summarise(steps: list[dict], ws: list[Weights], engines: list[Engine]) -> di
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = command_line(__doc__)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--length", type=int, default=128)

@@ -56,19 +56,27 @@ def required(m: dict, name: str) -> Any:
     return m[name]
 
 
-def string(m: dict, name: str, limits: Limits) -> str:
+def typed(m: dict, name: str, kind: type | tuple[type, ...], label: str) -> Any:
+    """The field's value, which must be a `kind` and never a bool (bool is an int to Python, not to
+    the wire contract)."""
     v = required(m, name)
-    if not isinstance(v, str):
-        raise SchemaError(name, f"expected str, got {type(v).__name__}")
-    if len(v) > limits.max_str_bytes:
-        raise SchemaError(name, f"string longer than {limits.max_str_bytes}")
+    if not isinstance(v, kind) or isinstance(v, bool):
+        raise SchemaError(name, f"expected {label}, got {type(v).__name__}")
     return v
 
 
+def sized(v: Any, name: str, most: int, unit: str) -> Any:
+    if len(v) > most:
+        raise SchemaError(name, f"more than {most} {unit}")
+    return v
+
+
+def string(m: dict, name: str, limits: Limits) -> str:
+    return sized(typed(m, name, str, "str"), name, limits.max_str_bytes, "characters")
+
+
 def integer(m: dict, name: str, lo: int | None = None) -> int:
-    v = required(m, name)
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise SchemaError(name, f"expected int, got {type(v).__name__}")
+    v = typed(m, name, int, "int")
     if lo is not None and v < lo:
         raise SchemaError(name, f"must be >= {lo}, got {v}")
     return v
@@ -79,34 +87,23 @@ def optional_integer(m: dict, name: str, lo: int | None = None) -> int | None:
 
 
 def number(m: dict, name: str, *, nullable: bool = False, finite: bool = True) -> float | None:
-    v = required(m, name)
-    if v is None and nullable:
+    if nullable and required(m, name) is None:
         return None
-    if not isinstance(v, (int, float)) or isinstance(v, bool):
-        raise SchemaError(name, f"expected float, got {type(v).__name__}")
-    v = float(v)
+    v = float(typed(m, name, (int, float), "float"))
     if finite and not math.isfinite(v):
         raise SchemaError(name, f"must be finite, got {v}")
     return v
 
 
 def mapping(m: dict, name: str, limits: Limits) -> dict:
-    v = required(m, name)
-    if not isinstance(v, dict):
-        raise SchemaError(name, f"expected map, got {type(v).__name__}")
-    if len(v) > limits.max_map_entries:
-        raise SchemaError(name, f"more than {limits.max_map_entries} entries")
-    for k in v:
-        if not isinstance(k, str):
-            raise SchemaError(name, "map keys must be str")
+    v = sized(typed(m, name, dict, "map"), name, limits.max_map_entries, "entries")
+    if not all(isinstance(k, str) for k in v):
+        raise SchemaError(name, "map keys must be str")
     return v
 
 
 def binary(m: dict, name: str, limits: Limits) -> bytes:
-    v = required(m, name)
-    if not isinstance(v, bytes):
-        raise SchemaError(name, f"expected bytes, got {type(v).__name__}")
-    return v
+    return typed(m, name, bytes, "bytes")
 
 
 def token_array(m: dict, name: str, limits: Limits) -> np.ndarray:
@@ -123,11 +120,7 @@ def token_array(m: dict, name: str, limits: Limits) -> np.ndarray:
 def turn_rewards_field(m: dict, acted: np.ndarray, limits: Limits) -> list[tuple[int, float]]:
     """`turn_rewards`: [[token_index, reward], ...], each index on an action token, each reward
     finite; the learner adds them to the token rewards without looking again (SAO.md §4)."""
-    v = required(m, "turn_rewards")
-    if not isinstance(v, list):
-        raise SchemaError("turn_rewards", f"expected a list, got {type(v).__name__}")
-    if len(v) > limits.max_turn_rewards:
-        raise SchemaError("turn_rewards", f"more than {limits.max_turn_rewards} entries")
+    v = sized(typed(m, "turn_rewards", list, "a list"), "turn_rewards", limits.max_turn_rewards, "entries")
     out = []
     for i, pair in enumerate(v):
         name = f"turn_rewards[{i}]"

@@ -281,7 +281,7 @@ def apply(payload: Payload, views: dict[str, memoryview], base: State | None) ->
 
 
 def _unxor(old: Tensor, mask_z: memoryview, xor_z: memoryview, name: str) -> Tensor:
-    n, width = old.numel, old.bits.itemsize
+    n = old.numel
     mask = np.empty((n + 7) // 8, np.uint8)
     _unzstd(mask_z, mask, name + ":mask")
     k = int(np.bitwise_count(mask).sum())  # trailing pad bits are zeros: packbits wrote them
