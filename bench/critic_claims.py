@@ -91,7 +91,8 @@ def variants(tasks: tuple[str, ...]) -> list[Variant]:
 def build(v: Variant, source: torch.nn.Module, args: argparse.Namespace, device: torch.device) -> SAOUpdate:
     lora = ModelConfig(lora_rank=8, lora_critic=True, lora_targets="gate_proj,up_proj,down_proj").lora \
         if v.critic == "lora" else None
-    policy, critic = build_models(source, True, ParallelConfig(), device, lora)
+    # float32 critics: the gradient norms compared here are the committed float32 runs'
+    policy, critic = build_models(source, True, ParallelConfig(critic_mixed_precision=False), device, lora)
     if v.critic == "attention only":  # attention and the head train (sao_full_critic leaves attention alone)
         for kind, params in param_kinds(critic).items():
             for p in params:

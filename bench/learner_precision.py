@@ -1,5 +1,6 @@
 """The learner on CPU in float32 against bf16 compute (FSDP2's mixed precision: bf16 parameters
-in forward and backward, float32 master weights, gradients reduced in float32), on SmolLM2-135M:
+in forward and backward, float32 master weights, gradients reduced in float32) for the critic
+alone (the policy float32, so its ratios stay exact) and for both, on SmolLM2-135M:
 
 - tokens/s of SAO steps on the same cached rollouts (bench/rollouts.py), each precision in this run;
 - the DIS kept fraction, and the spread of the importance ratio, at the first step (the policy
@@ -29,13 +30,14 @@ from bench.rollouts import smollm2_rollouts  # noqa: E402
 from learner.models import ModelConfig, build_models, build_policy  # noqa: E402
 from learner.parallel import ParallelConfig, init_distributed  # noqa: E402
 from learner.update import SAOUpdate, UpdateConfig  # noqa: E402
+from schemas.process import native_bf16  # noqa: E402
 
 
-def run(bf16: bool, trajs, steps: int, batch: int) -> dict:
+def run(parallel: ParallelConfig, trajs, steps: int, batch: int) -> dict:
     _, _, device = init_distributed("cpu")
     torch.manual_seed(0)
     sao = SAOUpdate(*build_models(build_policy(ModelConfig(name="smollm2")), True,
-                                  ParallelConfig(mixed_precision=bf16), device),
+                                  parallel, device),
                     UpdateConfig(warmup_steps=0, lr_policy=5e-5, lr_critic=1e-4))
     first, ends, tokens = None, [], 0
     t0 = time.perf_counter()
@@ -59,16 +61,21 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     trajs = smollm2_rollouts(args.steps * args.batch)
-    rows = {"float32": run(False, trajs, args.steps, args.batch), "bf16 compute": run(True, trajs, args.steps, args.batch)}
+    native = "native bf16" if native_bf16() else "no native bf16"
+    variants = {"float32": (False, False), "bf16 critic": (False, True), "bf16 policy and critic": (True, True)}
+    rows = {name: run(ParallelConfig(mixed_precision=policy, critic_mixed_precision=critic), trajs, args.steps,
+                      args.batch) for name, (policy, critic) in variants.items()}
     head = (f"SmolLM2-135M-Instruct SAO steps (K = 2 critic updates), {args.steps} x {args.batch} cached vLLM-float32 "
-            f"rollouts of the writing env, {args.threads} threads [{platform.machine()}, {os.cpu_count()} cores, "
+            f"rollouts of the writing env, {args.threads} threads [{platform.machine()}, {native}, {os.cpu_count()} cores, "
             f"torch {torch.__version__}, load {os.getloadavg()[0]:.1f}, {datetime.date.today()}]")
     cols = list(rows["float32"])
     lines = [f"# Learner precision: {head}", "", "Command: `.venv/bin/python bench/learner_precision.py`", "",
              "| compute | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     lines += [f"| {name} | " + " | ".join(f"{v:.4g}" for v in r.values()) + " |" for name, r in rows.items()]
-    speed = rows["bf16 compute"]["tokens/s (steps 2..)"] / rows["float32"]["tokens/s (steps 2..)"]
-    lines += ["", f"bf16 ÷ float32 tokens/s: **{speed:.2f}x**"]
+    speed = {name: r["tokens/s (steps 2..)"] / rows["float32"]["tokens/s (steps 2..)"] for name, r in rows.items()}
+    lines += ["", "÷ float32 tokens/s: " + ", ".join(f"{name} **{x:.2f}x**" for name, x in speed.items() if name != "float32"),
+              f"default here: {'bf16' if ParallelConfig().bf16(critic=True) else 'float32'} critic, "
+              f"{'bf16' if ParallelConfig().bf16() else 'float32'} policy"]
     text = "\n".join(lines) + "\n"
     args.out.write_text(text)
     print(text, flush=True)

@@ -114,7 +114,7 @@ def build_models(source: nn.Module | None, with_critic: bool, parallel: Parallel
             cstate = critic_state(state, policy.base_model_prefix, config.hidden_size)
             cstate = with_adapters(critic, cstate) if lora is not None and lora.critic else cstate
         state = with_adapters(policy, state) if lora is not None else state
-    materialise(parallelize(policy, parallel), state, device)
+    materialise(parallelize(policy, parallel, parallel.bf16()), state, device)
     if critic is not None:
-        materialise(parallelize(critic, parallel), cstate, device)
+        materialise(parallelize(critic, parallel, parallel.bf16(critic=True)), cstate, device)
     return policy, critic

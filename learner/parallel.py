@@ -22,20 +22,36 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from schemas.process import native_bf16
+
 
 @dataclass(kw_only=True)
 class ParallelConfig:
     device: str = "cpu"
     """cpu | cuda (each rank takes cuda:LOCAL_RANK)."""
     mixed_precision: bool | None = None
-    """bf16 parameters in forward and backward, fp32 master weights and gradient reduction in
-    FSDP2; None: on for cuda, off for cpu (bench/learner_precision.py: 14x slower on an AVX2 CPU)."""
+    """The policy in bf16 compute: bf16 parameters in forward and backward, fp32 master weights and
+    gradient reduction in FSDP2; None: on for cuda, off for cpu, where its recomputed log-probs then
+    match a float32 engine's and the importance ratios are exact (bench/learner_precision.py)."""
+    critic_mixed_precision: bool | None = None
+    """The same for the critic, whose values enter no importance ratio; None: as the policy, and on
+    for a cpu with native bf16 (AVX512-BF16 or AMX: 1.34x the learner's tokens/s on SmolLM2, ratios
+    still exact; on AVX2 bf16 is 14x slower; bench/learner_precision.py)."""
     activation_checkpointing: bool = False
     """Recompute each decoder block's activations in backward (GPUs, long sequences)."""
     gather_once: bool | None = None
     """Keep parameters gathered and gradients unreduced across an optimizer step's micro-batches:
     one all-gather and one reduce-scatter per step instead of two and one per micro-batch, holding
     the full parameters and gradients meanwhile; None: on for cpu (gloo), off for cuda."""
+
+    def bf16(self, critic: bool = False) -> bool:
+        """Whether the policy (or the critic) computes in bf16, the None defaults resolved."""
+        policy = self.device == "cuda" if self.mixed_precision is None else self.mixed_precision
+        if not critic:
+            return policy
+        if self.critic_mixed_precision is not None:
+            return self.critic_mixed_precision
+        return policy or (self.device == "cpu" and native_bf16())
 
 
 def init_distributed(device: str) -> tuple[int, int, torch.device]:
@@ -66,7 +82,7 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
     raise ValueError(f"cannot find the decoder blocks of {type(model).__name__}")
 
 
-def parallelize(model: nn.Module, cfg: ParallelConfig) -> nn.Module:
+def parallelize(model: nn.Module, cfg: ParallelConfig, bf16: bool) -> nn.Module:
     """Shard `model` with FSDP2, in this order (torchtitan's):
     1. activation checkpointing per block (it must wrap the block before FSDP hooks onto it);
     2. `fully_shard` each decoder block, so its parameters are gathered only while it runs;
@@ -77,7 +93,6 @@ def parallelize(model: nn.Module, cfg: ParallelConfig) -> nn.Module:
     Every unit reduces gradients by sum, not mean: each rank's loss is already divided by the
     step's global token count (learner/microbatch.py).
     """
-    bf16 = cfg.device == "cuda" if cfg.mixed_precision is None else cfg.mixed_precision
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if bf16 else MixedPrecisionPolicy())
     if cfg.activation_checkpointing:

@@ -9,6 +9,6 @@ Shared helpers (no wire format; here because `learner`, `producers` and `consume
 each other, so a rule two of them follow has to live below all three): `kafka` and `retry` (client
 factories, produce-and-wait, range reads, the transient-error rule), `progress` (consumer lag),
 `config` (typed flags and `SAO_*` variables), `http` (the two HTTP servers' guards), `process`
-(signals), `plugins` and `boundary` (loading and calling user code), `catalogue`, `models` and
-`tokenizers` (model names every service agrees on).
+(signals, the CPU's features), `plugins` and `boundary` (loading and calling user code),
+`catalogue`, `models` and `tokenizers` (model names every service agrees on).
 """

@@ -1,13 +1,15 @@
-"""What every service process shares beyond the wire: stopping cleanly on a signal, and calling
-into an event loop from the process's other threads."""
+"""What every service process shares beyond the wire: stopping cleanly on a signal, calling into
+an event loop from the process's other threads, and what the CPU it runs on can do."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import signal
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 
 def stop_on_signals(stop: threading.Event | None = None) -> threading.Event:
@@ -28,3 +30,18 @@ def threadsafe(loop: asyncio.AbstractEventLoop, fn: Callable) -> Callable:
         with contextlib.suppress(RuntimeError):  # the loop is closed
             loop.call_soon_threadsafe(fn, *args)
     return call
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux lists them (`avx2`, `avx512f`, `avx512_bf16`, `amx_bf16`,
+    ...); empty where /proc/cpuinfo does not exist. torch's own capability probe says `AVX512` on
+    CPUs with and without native bf16 alike, so kernels that need the distinction ask here."""
+    info = Path("/proc/cpuinfo")
+    return frozenset(info.read_text().split()) if info.exists() else frozenset()
+
+
+def native_bf16() -> bool:
+    """The CPU multiplies bf16 in hardware (AVX512-BF16 or AMX); without, torch converts every bf16
+    matmul in software and bf16 runs slower than float32 (bench/learner_precision.py)."""
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})

@@ -46,6 +46,7 @@ import numpy as np
 from producers.generate.base import ArchitectureMismatch, Generation, SamplingParams, check_request, exact_sampling
 from producers.generate.http import InvalidGeneration, versions_from
 from schemas.config import ConfigError
+from schemas.process import cpu_flags
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +92,7 @@ def unsupported_here() -> str | None:
         return None
     if platform.machine() != "x86_64":
         return f"vLLM's CPU build is for x86-64, this is {platform.machine()}"
-    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
-    if not flags & {"avx2", "avx512f"}:
+    if not cpu_flags() & {"avx2", "avx512f"}:
         return "the CPU has neither AVX2 nor AVX-512, which vLLM's CPU kernels need"
     import ctypes.util
 

@@ -17,10 +17,11 @@ import torch.multiprocessing as mp
 
 from learner.microbatch import balanced_shares, micro_batches
 from learner.models import ModelConfig, build_models, build_policy
-from learner.parallel import ParallelConfig, gather_buckets, init_distributed
+from learner.parallel import ParallelConfig, decoder_blocks, gather_buckets, init_distributed
 from learner.store import Checkpointer
 from learner.update import SAOUpdate, UpdateConfig
 from sao.broker import free_port
+from schemas.process import native_bf16
 
 
 def _rollouts():
@@ -39,7 +40,8 @@ def _worker(rank: int, world: int, port: int, out: str, steps: tuple[int, int], 
     cfg = UpdateConfig(algorithm="sao", warmup_steps=0, lr_policy=1e-3, lr_critic=1e-3,
                        micro_batch_tokens=32)
     source = build_policy(ModelConfig()) if rank == 0 else None
-    policy, critic = build_models(source, cfg.settings.uses_critic, ParallelConfig(gather_once=gather_once), device)
+    exact = ParallelConfig(gather_once=gather_once, critic_mixed_precision=False)  # float32 on any CPU
+    policy, critic = build_models(source, cfg.settings.uses_critic, exact, device)
     update = SAOUpdate(policy, critic, cfg)
     ckpt = Checkpointer(Path(out) / "checkpoints")
     if resume:
@@ -117,7 +119,8 @@ def test_bf16_parameters_keep_float32_master_weights_and_train_like_float32():
         metrics = {}
         for bf16 in (False, True):
             source = build_policy(ModelConfig())
-            update = SAOUpdate(*build_models(source, True, ParallelConfig(mixed_precision=bf16), torch.device("cpu")),
+            parallel = ParallelConfig(mixed_precision=bf16, critic_mixed_precision=bf16)
+            update = SAOUpdate(*build_models(source, True, parallel, torch.device("cpu")),
                                UpdateConfig(warmup_steps=0, micro_batch_tokens=32))
             metrics[bf16] = update.step(trajs)
             assert {p.dtype for p in update.policy.parameters()} == {torch.float32}
@@ -125,6 +128,32 @@ def test_bf16_parameters_keep_float32_master_weights_and_train_like_float32():
         assert metrics[True]["step/skipped"] == 0
         for key in ("loss/policy", "loss/value", "dis/kept_frac", "policy/entropy"):
             assert metrics[True][key] == pytest.approx(metrics[False][key], rel=2e-2, abs=1e-3), key
+    finally:
+        dist.destroy_process_group()
+
+
+def test_on_cpu_the_policy_computes_in_float32_and_the_critic_in_bf16_where_the_cpu_has_it():
+    """The defaults: exact ratios on CPU (a float32 policy, as the float32 engine), the critic, whose
+    values enter no ratio, in bf16 on a CPU with native bf16; on cuda both in bf16 unless told."""
+    assert ParallelConfig().bf16() is False and ParallelConfig().bf16(critic=True) is native_bf16()
+    assert ParallelConfig(device="cuda").bf16() and ParallelConfig(device="cuda").bf16(critic=True)
+    assert not ParallelConfig(device="cuda", mixed_precision=False).bf16(critic=True)
+    assert not ParallelConfig(critic_mixed_precision=False).bf16(critic=True)
+    init_distributed("cpu")
+    try:
+        policy, critic = build_models(build_policy(ModelConfig()), True, ParallelConfig(), torch.device("cpu"))
+        assert {p.dtype for p in critic.parameters()} == {torch.float32}  # sharded master weights
+        computed = {}
+
+        def note(name):
+            def hook(module, inputs, out):  # returns None: the output passes unchanged
+                computed[name] = (out[0] if isinstance(out, tuple) else out).dtype
+            return hook
+        for name, model in (("policy", policy), ("critic", critic)):
+            decoder_blocks(model)[0].register_forward_hook(note(name))
+        batch = {"input_ids": torch.tensor([[1, 2, 3]])}
+        policy(**batch), critic(**batch)
+        assert computed == {"policy": torch.float32, "critic": torch.bfloat16 if native_bf16() else torch.float32}
     finally:
         dist.destroy_process_group()
 
@@ -141,7 +170,8 @@ def test_one_fsdp2_rank_trains_exactly_like_the_plain_modules():
     SAOUpdate(plain, plain_critic, cfg).step(trajs)
     init_distributed("cpu")
     try:
-        update = SAOUpdate(*build_models(tiny_llama(seed=0), True, ParallelConfig(), torch.device("cpu")), cfg)
+        update = SAOUpdate(*build_models(tiny_llama(seed=0), True, ParallelConfig(critic_mixed_precision=False),
+                                         torch.device("cpu")), cfg)
         update.step(trajs)
         policy, critic = ({name: t for bucket in gather_buckets(model, torch.float32) for name, t in bucket}
                           for model in (update.policy, update.critic))
