@@ -47,12 +47,22 @@ class PromptOffsets:
 
 
 class OffsetCommitter:
-    """The prompts topic's commit positions on the consumer, moved only over delivered prompts."""
+    """The prompts topic's commit positions on the consumer, moved only over delivered prompts.
 
-    def __init__(self, consumer, topic: str):
-        self.consumer, self.topic = consumer, topic
+    Commits are asynchronous, and one the broker refuses (its group coordinator still loading, or
+    just moved to another node) is sent again: nothing else would, since the next commit waits for
+    the next prompt, and a feeder holding prompts until these are committed would then wait forever.
+    The consumer must be made with `on_commit=committer.on_commit`, so `consumer` is set after."""
+
+    RETRY_S = 1.0
+    """Least seconds between two resends of refused commits (a loading coordinator refuses them all)."""
+
+    def __init__(self, topic: str):
+        self.consumer, self.topic = None, topic
         self.taken = PromptOffsets()
         self.positions: dict[int, int] = {}  # partition -> last position computed
+        self.refused: set[int] = set()  # partitions whose last commit the broker did not take
+        self.resent_at = 0.0
 
     def take(self, partition: int, offset: int) -> None:
         self.taken.take(partition, offset)
@@ -62,6 +72,23 @@ class OffsetCommitter:
         if position is not None:
             self.positions[partition] = position
             self.consumer.commit(offsets=[TopicPartition(self.topic, partition, position)], asynchronous=True)
+
+    def on_commit(self, err, partitions: list[TopicPartition]) -> None:
+        """The consumer's commit callback (runs inside its poll, on the service's thread)."""
+        mine = [tp for tp in partitions if tp.topic == self.topic]
+        if err is not None or any(tp.error is not None for tp in mine):
+            log.warning("offset commit refused (%s); sending it again", err or next(tp.error for tp in mine if tp.error))
+            self.refused |= {tp.partition for tp in mine}
+
+    def resend_refused(self, now: float) -> None:
+        """Commit again the current positions of partitions whose commit was refused (call often)."""
+        if not self.refused or now - self.resent_at < self.RETRY_S:
+            return
+        offsets = [TopicPartition(self.topic, p, self.positions[p]) for p in sorted(self.refused) if p in self.positions]
+        self.refused.clear()
+        self.resent_at = now
+        if offsets:
+            self.consumer.commit(offsets=offsets, asynchronous=True)
 
     def commit(self, partitions) -> None:
         """Commit the positions of `partitions` synchronously; a failure means a replay (at least once)."""
@@ -76,3 +103,4 @@ class OffsetCommitter:
         for p in partitions:
             self.taken.forget(p)
             self.positions.pop(p, None)
+            self.refused.discard(p)

@@ -281,7 +281,9 @@ def run(cfg: ProducerConfig, stop: threading.Event | None = None) -> None:
     sub = WeightSubscriber(cfg.kafka, generator, verify_files=holds_weights, follow=cfg.weights,
                            requester=cfg.producer_id) if cfg.follow_weights else None
     producer = make_producer(cfg.kafka)
-    consumer = make_consumer(cfg.kafka, cfg.group, **{"partition.assignment.strategy": "cooperative-sticky"})
+    offsets = OffsetCommitter(cfg.kafka.topic(T.PROMPTS))
+    consumer = offsets.consumer = make_consumer(cfg.kafka, cfg.group, on_commit=offsets.on_commit,
+                                                **{"partition.assignment.strategy": "cooperative-sticky"})
     done = 0
     try:
         if sub is not None and not _wait(sub.start().caught_up, stop, 120):
@@ -292,7 +294,7 @@ def run(cfg: ProducerConfig, stop: threading.Event | None = None) -> None:
             raise ConfigError("--model learner: none of the learner's announced weights loaded (see the log)")
         log.info("producer %s: %s backend, env %s, %d episodes in flight, weights v%d", cfg.producer_id,
                  backend, env.name, cfg.concurrency, generator.version)
-        done = asyncio.run(Service(cfg, consumer, producer, player, metrics, sub, stop, score).run())
+        done = asyncio.run(Service(cfg, offsets, producer, player, metrics, sub, stop, score).run())
     finally:
         producer.flush(5)  # dead letters; undelivered trajectories are abandoned (their prompts redelivered)
         consumer.close()  # commits nothing new: offsets were committed as prompts were delivered; leaves the group
@@ -317,11 +319,10 @@ class Service:
     """The consumer loop on one event loop: take prompts while fewer than `concurrency` episodes are
     in flight, serve delivery callbacks, and commit the delivered prefix of each partition."""
 
-    def __init__(self, cfg: ProducerConfig, consumer, producer, player: Player, metrics: ProducerMetrics,
-                 sub: WeightSubscriber | None, stop: threading.Event, score=None):
-        self.cfg, self.consumer, self.producer, self.player = cfg, consumer, producer, player
-        self.metrics, self.sub, self.stop, self.score = metrics, sub, stop, score
-        self.offsets = OffsetCommitter(consumer, cfg.kafka.topic(T.PROMPTS))
+    def __init__(self, cfg: ProducerConfig, offsets: OffsetCommitter, producer, player: Player,
+                 metrics: ProducerMetrics, sub: WeightSubscriber | None, stop: threading.Event, score=None):
+        self.cfg, self.offsets, self.consumer, self.producer = cfg, offsets, offsets.consumer, producer
+        self.player, self.metrics, self.sub, self.stop, self.score = player, metrics, sub, stop, score
         self.in_flight: dict[asyncio.Task, int] = {}  # episode -> its prompt's partition
         self.held: list = []  # messages polled while every slot was busy, taken first
         self.paused = False
@@ -338,6 +339,7 @@ class Service:
             self.metrics.tick(self.player.generator.version, self.sub, len(self.in_flight))
             self.producer.poll(0)  # delivery callbacks resolve the episodes' acks, on this thread
             self._reap()
+            self.offsets.resend_refused(time.monotonic())
             if (msg := self._next()) is not None:
                 self._take(msg)
                 taken += 1

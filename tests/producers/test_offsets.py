@@ -35,3 +35,41 @@ def test_random_completion_orders_never_commit_past_an_undelivered_prompt():
             assert all(x in delivered for x in range(committed))  # nothing undelivered below it
             assert committed == n or committed not in delivered  # and it stops at the first gap
         assert committed == n
+
+
+def test_a_commit_the_broker_refuses_is_sent_again_until_it_is_taken(kafka_cfg):
+    """On a real broker: a commit refused (here: its topic does not exist yet) is resent, and
+    taken once it can be; without the resend the position would stay uncommitted until the next
+    prompt, which a feeder waiting on that commit never sends."""
+    import time
+    import uuid
+
+    from confluent_kafka import TopicPartition
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    from producers.offsets import OffsetCommitter
+    from schemas.kafka import make_consumer
+
+    topic = f"{kafka_cfg.topic_prefix}.later"
+    committer = OffsetCommitter(topic)
+    consumer = committer.consumer = make_consumer(kafka_cfg, f"g-{uuid.uuid4().hex}", on_commit=committer.on_commit)
+    try:
+        committer.take(0, 0)
+        committer.deliver(0, 0)  # position 1, sent asynchronously
+
+        def poll_until(cond, timeout=30.0):
+            deadline = time.monotonic() + timeout
+            while not cond() and time.monotonic() < deadline:
+                consumer.poll(0.1)
+                committer.resend_refused(time.monotonic())
+            return cond()
+        assert poll_until(lambda: committer.refused == {0}), "the commit to a missing topic was not refused"
+        admin = AdminClient(kafka_cfg.client())
+        admin.create_topics([NewTopic(topic, 1, 1)])[topic].result(30)
+
+        def committed() -> int:
+            return consumer.committed([TopicPartition(topic, 0)], timeout=10)[0].offset
+        assert poll_until(lambda: committed() == 1), "the refused commit was never sent again"
+        assert committer.refused == set()
+    finally:
+        consumer.close()
