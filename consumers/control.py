@@ -18,6 +18,7 @@ from confluent_kafka import OFFSET_BEGINNING, KafkaException, TopicPartition
 from schemas import topics as T
 from schemas.config import ConfigError
 from schemas.kafka import KafkaConfig, consumer_error, ensure_topics, make_consumer, make_producer, produce_and_wait
+from schemas.retry import retrying
 
 CONTROL = T.Topic("judge.control", 1)
 
@@ -54,7 +55,8 @@ class CriterionFollower:
         ensure_topics(kafka, (CONTROL,))
         self.consumer = make_consumer(kafka, f"judge-control-{uuid.uuid4().hex[:8]}")
         topic = kafka.topic(CONTROL)
-        _, high = self.consumer.get_watermark_offsets(TopicPartition(topic, 0), timeout=10)
+        # retried: a control topic created an instant ago is not in every broker's metadata yet
+        _, high = retrying(lambda: self.consumer.get_watermark_offsets(TopicPartition(topic, 0), timeout=10))
         # the last message is the state; earlier ones are history
         self.consumer.assign([TopicPartition(topic, 0, high - 1 if high > 0 else OFFSET_BEGINNING)])
         self.current: str | None = None
