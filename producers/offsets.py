@@ -76,8 +76,9 @@ class OffsetCommitter:
     def on_commit(self, err, partitions: list[TopicPartition]) -> None:
         """The consumer's commit callback (runs inside its poll, on the service's thread)."""
         mine = [tp for tp in partitions if tp.topic == self.topic]
-        if err is not None or any(tp.error is not None for tp in mine):
-            log.warning("offset commit refused (%s); sending it again", err or next(tp.error for tp in mine if tp.error))
+        errors = [err] if err is not None else [tp.error for tp in mine if tp.error is not None]
+        if errors:
+            log.warning("offset commit refused (%s); sending it again", errors[0])
             self.refused |= {tp.partition for tp in mine}
 
     def resend_refused(self, now: float) -> None:

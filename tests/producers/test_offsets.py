@@ -1,8 +1,14 @@
 """Commit positions under out-of-order completion: only the contiguous delivered prefix counts."""
 
 import random
+import time
+import uuid
 
-from producers.offsets import PromptOffsets
+from confluent_kafka import TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from producers.offsets import OffsetCommitter, PromptOffsets
+from schemas.kafka import make_consumer
 
 
 def test_position_moves_only_over_the_delivered_prefix():
@@ -41,15 +47,6 @@ def test_a_commit_the_broker_refuses_is_sent_again_until_it_is_taken(kafka_cfg):
     """On a real broker: a commit refused (here: its topic does not exist yet) is resent, and
     taken once it can be; without the resend the position would stay uncommitted until the next
     prompt, which a feeder waiting on that commit never sends."""
-    import time
-    import uuid
-
-    from confluent_kafka import TopicPartition
-    from confluent_kafka.admin import AdminClient, NewTopic
-
-    from producers.offsets import OffsetCommitter
-    from schemas.kafka import make_consumer
-
     topic = f"{kafka_cfg.topic_prefix}.later"
     committer = OffsetCommitter(topic)
     consumer = committer.consumer = make_consumer(kafka_cfg, f"g-{uuid.uuid4().hex}", on_commit=committer.on_commit)
