@@ -13,8 +13,8 @@ import numpy as np
 import torch
 from confluent_kafka import TopicPartition
 
-from producers.models import load_model
 from schemas import topics as T
+from schemas.catalogue import tiny_llama
 from schemas.kafka import make_consumer
 from tests.producers.util import (announce, announcement, full_forward_logprobs, make_prompts, producer_process,
                                   publish_prompts, read_topic, wait_until, write_weights)
@@ -69,15 +69,19 @@ def test_sigkill_with_64_in_flight_loses_no_prompt_and_commits_only_delivered_pr
 
 def test_a_swap_with_16_episodes_in_flight_tags_each_token_with_the_version_that_sampled_it(kafka_cfg, tmp_path):
     """Version 1's lm_head is zero, so a token it sampled has log-prob exactly −log 64 whatever the
-    cached context; a token of version 0 has version 0's full-forward log-prob."""
-    flat = load_model("tiny-llama", seed=0)
+    cached context; a token of version 0 has version 0's full-forward log-prob. The tiny Llama gets
+    4,096 positions (the catalogue's has 256, whose episodes ended in 0.8 s here: a swap applied
+    any later found one already finished, and CI failed on it)."""
+    v0 = tiny_llama(max_positions=4096, seed=0)
+    v0.save_pretrained(tmp_path / "v0")  # no tokenizer files: raw ids, no stop token, every episode runs 4,094 tokens
+    flat = tiny_llama(max_positions=4096, seed=0)
     with torch.no_grad():
         flat.lm_head.weight.zero_()
     path = write_weights(flat, tmp_path / f"v1-{uuid.uuid4().hex[:6]}.safetensors")
     prompts = make_prompts("toy-target", [{"target": i % 4} for i in range(16)])
     publish_prompts(kafka_cfg, prompts)
-    proc = producer_process(kafka_cfg, "swap", "--backend", "hf", "--env", "toy-target", "--model", "tiny-llama",
-                "--seed", "0", "--concurrency", "16", "--max-tokens", "1200")
+    proc = producer_process(kafka_cfg, "swap", "--backend", "hf", "--env", "toy-target", "--model", str(tmp_path / "v0"),
+                "--seed", "0", "--concurrency", "16", "--max-tokens", "8192")
     try:
         wait_until(lambda: len(proc.started()) == 16, timeout=120)
         announce(kafka_cfg, announcement(path, 1))
@@ -85,7 +89,6 @@ def test_a_swap_with_16_episodes_in_flight_tags_each_token_with_the_version_that
         assert proc.stop() == 0
     finally:
         proc.p.kill()
-    v0 = load_model("tiny-llama", seed=0)
     assert len(trajs) == 16
     for t in trajs:
         acted = t.action_mask == 1
