@@ -68,7 +68,7 @@ class VLLMConfig:
     """CPU: cores of the worker's OpenMP threads (VLLM_CPU_OMP_THREADS_BIND): all (every core this
     process may use), or vLLM's own auto, a list such as 0-3,6, or nobind. vLLM's auto keeps a core
     for its engine-core process and takes one vCPU of each SMT pair: one thread on a 2-vCPU machine,
-    where all generated 2.1x as fast at 16 in flight (docs/benchmarks.md, vLLM against hf)."""
+    where all generated 2.1x as fast at 16 in flight (bench/results/vllm_generation_notes.md)."""
     enforce_eager: bool = True
     """No CUDA graphs or torch.compile (on CPU compiling costs ~75 s of start-up and buys nothing here)."""
 

@@ -132,7 +132,7 @@ def test_sixteen_requests_in_flight_sample_apart_and_a_poisoned_one_fails_alone(
 
 
 def test_the_engines_worker_computes_on_every_core_this_process_may_use(engine):
-    # vLLM's own "auto" binding leaves one thread on a 2-vCPU machine (docs/benchmarks.md, vLLM against hf)
+    # vLLM's own "auto" binding leaves one thread on a 2-vCPU machine (bench/results/vllm_generation_notes.md)
     from vllm.utils.cpu_resource_utils import parse_id_list
 
     allowed = sorted(os.sched_getaffinity(0))
