@@ -6,7 +6,8 @@
    forward (transformers, the same weights), and the DIS kept fraction that implies at SAO's two
    presets (reasoning 0.7 < r < 6, coding 0.2 < r < 4; SAO.md §3), for a policy that has not moved;
 3. the pause a weight update causes (the engine stopped between decode steps), apart from the whole
-   update (reading, checking, reloading), with requests in flight.
+   update (checking, then staging while the engine decodes on: reading, and on CPU re-packing a
+   shadow of the model), with requests in flight.
 
     .venv/bin/python bench/vllm_generation.py [--concurrency 1 4 16] [--tokens 64] [--out bench/results/vllm_generation.md]
 """

@@ -115,11 +115,24 @@ def parse_choice(choice: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray | Non
     return (np.array(tokens, dtype=np.int32), np.array(logprobs, dtype=np.float32), versions, finish)
 
 
+STAGE_POLL_S = 0.02
+"""How often a vLLM swap asks the workers whether the staging has finished (an ask waits for a decode step)."""
+
+
+def rpc(client: httpx.Client, method: str) -> list:
+    """Each worker's answer to `method` through vLLM's dev-mode /collective_rpc."""
+    r = client.post("/collective_rpc", json={"method": method})
+    r.raise_for_status()
+    return r.json()["results"]
+
+
 def swap_server(base_url: str, headers: dict, path: str, version: int) -> float:
     """The in-place swap of producers/generate/vllm.py `swap`, over vLLM's dev-mode HTTP endpoints
     (VLLM_SERVER_DEV_MODE=1); returns the seconds the server was paused. Resumed whatever failed."""
     with httpx.Client(base_url=base_url, headers=headers, timeout=300) as c:
         c.post("/collective_rpc", json={"method": "stage_file", "args": [path]}).raise_for_status()  # decoding on
+        while not all(r["done"] for r in rpc(c, "staged")):
+            time.sleep(STAGE_POLL_S)
         t0 = time.perf_counter()
         c.post("/pause", params={"mode": "keep", "clear_cache": "true"}).raise_for_status()
         try:

@@ -7,10 +7,11 @@ is `log_softmax(logits / T)` of the sampled token, the distribution actually sam
 the engine computes in float32 by default (`--vllm.dtype`): its log-probs then equal the learner's
 float32 forward within 4e-5, where bf16 activations are up to 0.38 off (VLLM-CPU.md §3).
 
-Weight swaps, in place, between decode steps: every worker reads the file while the engine decodes
-on (`collective_rpc("stage_file", path)`), then `pause_generation(mode="keep")` freezes the requests
-in flight → `collective_rpc("apply_staged")` reloads the weights read through vLLM's layerwise
-reload (`WorkerExtension`) → `reset_prefix_cache(reset_running_requests=True)`
+Weight swaps, in place, between decode steps: every worker stages the file in a thread while the
+engine decodes on (`collective_rpc("stage_file", path)`, polled with `"staged"`: on CPU that loads
+and re-packs a shadow of the model), then `pause_generation(mode="keep")` freezes the requests in
+flight → `collective_rpc("apply_staged")` puts the staged weights in (`WorkerExtension`: the
+shadow's kernels on CPU, vLLM's layerwise reload on GPU) → `reset_prefix_cache(reset_running_requests=True)`
 re-prefills the frozen requests under the new weights → `update_weight_version` labels what
 follows → `resume_generation()`, in `finally`. vLLM's own `weight_versions` spans then say which
 version sampled each token. What the engine was paused for is measured per swap (`last_pause_s`),
@@ -25,7 +26,9 @@ whose attention head size the CPU kernels lack is refused at start with the size
 from __future__ import annotations
 
 import asyncio
+import copy
 import gc
+import itertools
 import json
 import logging
 import math
@@ -44,7 +47,7 @@ from typing import Literal
 import numpy as np
 
 from producers.generate.base import ArchitectureMismatch, Generation, SamplingParams, check_request, exact_sampling
-from producers.generate.http import InvalidGeneration, versions_from
+from producers.generate.http import STAGE_POLL_S, InvalidGeneration, versions_from
 from schemas.config import ConfigError
 from schemas.process import cpu_flags
 
@@ -157,10 +160,12 @@ def extract(output) -> tuple[np.ndarray, np.ndarray, list, str]:
 
 
 async def swap(engine, path: str, version: int) -> float:
-    """Read the file on every worker while the engine decodes on, then pause (keep) → reload from
-    what was read → reset the prefix cache → label the version → resume; returns the seconds the
+    """Stage the file on every worker while the engine decodes on, then pause (keep) → apply what
+    was staged → reset the prefix cache → label the version → resume; returns the seconds the
     engine was paused."""
     await engine.collective_rpc("stage_file", args=(path,))
+    while not all(r["done"] for r in await engine.collective_rpc("staged")):
+        await asyncio.sleep(STAGE_POLL_S)
     t0 = time.perf_counter()
     await engine.pause_generation(mode="keep", clear_cache=True)
     try:
@@ -172,32 +177,135 @@ async def swap(engine, path: str, version: int) -> float:
     return time.perf_counter() - t0
 
 
+SHADOW = "sao_shadow"
+"""The prefix of the CPU shadow model's layer names (vLLM registers attention layers by name)."""
+
+
 class WorkerExtension:
     """Mixed into every vLLM worker (`worker_extension_cls`); called through `collective_rpc`,
-    whose arguments must be plain data (tensors would arrive as lists): a path, not a state dict."""
+    whose arguments must be plain data (tensors would arrive as lists): a path, not a state dict.
 
-    def stage_file(self, path: str) -> int:
-        """Read a safetensors file, or every one of a folder's, into memory for `apply_staged`
-        (while the engine still decodes); returns the tensors read."""
-        from safetensors.torch import load_file
+    Staging runs in a thread of the worker while its loop goes on decoding. On GPU it reads the
+    file, and the pause copies it in place through vLLM's layerwise reload. On CPU that reload is
+    what costs: vLLM's CPU kernels re-pack every linear weight after a load (oneDNN handles, SGL
+    packed copies; 0.7-0.9 s of a SmolLM2 pause). So on CPU the worker keeps a shadow of the model
+    (`make_shadow`, once: the same architecture, unpacked tensors and packed kernels of its own),
+    staging reloads the shadow, and the pause only hands the live modules the shadow's new kernels
+    and copies the few tensors the kernels do not hold (embeddings, norms, biases)."""
 
-        self._staged = {k: v for f in safetensors_files(path) for k, v in load_file(f).items()}  # HF names
-        return len(self._staged)
+    def make_shadow(self) -> int:
+        """CPU: build the shadow of the live model (random weights; each staging reloads it), in the
+        worker's loop (vLLM's current config is a process global); returns its parameter count."""
+        from vllm.config import set_current_vllm_config
+        from vllm.config.load import LoadConfig
+        from vllm.model_executor.model_loader import get_model_loader
 
-    def apply_staged(self) -> int:
-        """Load the staged tensors into the model in place (call with the engine paused)."""
+        config = self.model_runner.vllm_config
+        layers = config.compilation_config.static_forward_context  # attention layers by name, the shadow's too
+        for name in [n for n in layers if n.startswith(f"{SHADOW}.")]:  # a dropped shadow's
+            del layers[name]
+        with set_current_vllm_config(config):
+            shadow = get_model_loader(LoadConfig(load_format="dummy")).load_model(
+                config, config.model_config, prefix=SHADOW)
+        self._shadow = unshared(shadow, self.model_runner.model)
+        return sum(p.numel() for p in self._shadow.parameters())
+
+    def stage_file(self, path: str) -> None:
+        """Start staging a safetensors file, or every one of a folder's, in a thread; `staged` says
+        when it is done. On CPU a worker without a shadow (`vllm serve`) builds it first."""
         import torch
 
-        state, self._staged = self._staged, None
-        self.reload_weights(weights_iterator=iter(state.items()))  # checkpoint format: it fuses and shards
-        # vLLM 0.32 on CPU: a tied output head loads nothing on reload (its weight is the embedding's),
-        # so it would keep its packed copy of the old embedding; pack the new one (VLLM-CPU.md §4)
-        head = getattr(self.model_runner.model, "lm_head", None)
-        if head is not None and hasattr(head, "cpu_linear"):
-            head.quant_method.process_weights_after_loading(head)
-        if torch.cuda.is_available():  # the copies are queued on the device; raises where there is none
+        if not torch.cuda.is_available() and getattr(self, "_shadow", None) is None:
+            self.make_shadow()
+        self._staged, self._stage_error = None, None
+        self._stager = threading.Thread(target=self._stage, args=(path,), name="sao-stage", daemon=True)
+        self._stager.start()
+
+    def _stage(self, path: str) -> None:
+        from safetensors.torch import load_file
+
+        shadow = getattr(self, "_shadow", None)
+        try:
+            state = {k: v for f in safetensors_files(path) for k, v in load_file(f).items()}  # HF names
+            self._staged = state if shadow is None else reload_into(self.model_runner.vllm_config, shadow, state)
+        except BaseException as e:  # raised to the caller by `staged`
+            self._stage_error = e
+            self._shadow = None  # it may be half reloaded: the next staging builds a new one
+
+    def staged(self) -> dict:
+        """{"done": whether the staging `stage_file` started has finished}; raises what it raised."""
+        if self._stager.is_alive():
+            return {"done": False}
+        if self._stage_error is not None:
+            raise RuntimeError(f"staging the weights failed: {self._stage_error!r}") from self._stage_error
+        return {"done": True}
+
+    def apply_staged(self) -> int:
+        """Put the staged weights into the live model (call with the engine paused); returns the
+        tensors loaded."""
+        import torch
+
+        staged, self._staged = self._staged, None
+        if staged is None:
+            raise RuntimeError("nothing staged: stage_file, then wait for staged")
+        if isinstance(staged, dict):  # GPU: the copies are queued on the device
+            self.reload_weights(weights_iterator=iter(staged.items()))  # checkpoint format: it fuses and shards
             torch.cuda.synchronize()
-        return len(state)
+            return len(staged)
+        adopt(self.model_runner.model, self._shadow)
+        return staged
+
+
+def reload_into(config, model, state: dict) -> int:
+    """CPU: load HF-named `state` into a vLLM `model` in place through vLLM's layerwise reload (it
+    fuses, shards and re-packs); returns the tensors loaded."""
+    from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+    reload_weights(config, model, weights_iterator=iter(state.items()), weights_path=None,
+                   is_checkpoint_format=True)
+    # vLLM 0.32 on CPU: a tied output head loads nothing on reload (its weight is the embedding's),
+    # so it would keep its packed copy of the old embedding; pack the new one (VLLM-CPU.md §4)
+    head = getattr(model, "lm_head", None)
+    if head is not None and hasattr(head, "cpu_linear"):
+        head.quant_method.process_weights_after_loading(head)
+    return len(state)
+
+
+def unshared(shadow, live):
+    """`shadow` with its own copy of every module it shares with `live` (vLLM caches rotary
+    embeddings by their settings, so both models hold the same one): a reload of the shadow puts
+    each of its modules on the meta device for a while, which the live model must never see."""
+    from vllm.model_executor.model_loader.reload.layerwise import record_metadata_for_reloading
+
+    live_modules = {id(m) for m in live.modules()}
+    copies = {}
+    for parent in list(shadow.modules()):
+        for name, child in list(parent.named_children()):
+            if id(child) in live_modules:
+                if id(child) not in copies:
+                    copies[id(child)] = copy.deepcopy(child)
+                    record_metadata_for_reloading(copies[id(child)])
+                setattr(parent, name, copies[id(child)])
+    live_tensors = {t.data_ptr() for t in itertools.chain(live.parameters(), live.buffers()) if t.numel()}
+    if any(t.data_ptr() in live_tensors for t in itertools.chain(shadow.parameters(), shadow.buffers()) if t.numel()):
+        raise RuntimeError("the shadow model shares tensors with the live one")
+    return shadow
+
+
+def adopt(live, shadow) -> None:
+    """Make `live` compute as `shadow` does: each module takes the shadow's CPU kernel (which owns
+    its packed weights, so reloading the shadow later leaves it alone) and a copy of every tensor
+    the kernels do not hold; a linear weight the CPU backend emptied stays empty on both sides."""
+    for (name, mod), (shadow_name, twin) in zip(live.named_modules(), shadow.named_modules(), strict=True):
+        if name != shadow_name:
+            raise RuntimeError(f"the shadow model differs from the live one at {name!r} / {shadow_name!r}")
+        if hasattr(twin, "cpu_linear"):
+            mod.cpu_linear = twin.cpu_linear
+        for key, tensor in itertools.chain(mod.named_parameters(recurse=False), mod.named_buffers(recurse=False)):
+            other = getattr(twin, key)
+            if tensor.shape != other.shape:
+                raise RuntimeError(f"{name}.{key}: {tuple(tensor.shape)} live, {tuple(other.shape)} in the shadow")
+            tensor.data.copy_(other.data)
 
 
 def safetensors_files(path: str | Path) -> list[Path]:
@@ -307,6 +415,8 @@ class VLLMGenerator:
         async def start():
             engine = AsyncLLM.from_engine_args(args)
             await engine.update_weight_version(str(version))  # spans say versions, never 'default'
+            if cpu:  # swaps then pause only to adopt its kernels (WorkerExtension)
+                await engine.collective_rpc("make_shadow")
             return engine
 
         self.engine = self._call(start())

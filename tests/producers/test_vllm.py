@@ -1,8 +1,9 @@
 """The vllm backend on real vLLM (vLLM 0.32's CPU build here): log-probs equal a float32 forward of
 the same weights, before and after an in-place weight swap (the tied-head re-pack included), a
-swap in the middle of a request splits its tokens between the two versions exactly, 16 requests in
-flight, a poisoned request fails alone, and a file of another architecture is refused with the old
-weights kept. The end-to-end runs (a producer through Kafka into the learner, a SIGKILLed
+swap in the middle of a request splits its tokens between the two versions exactly (on CPU the
+next version is staged into a shadow of the model while that request decodes), 16 requests in
+flight, a poisoned request fails alone, and a file of another architecture, or one that fails while
+staged, is refused with the old weights kept. The end-to-end runs (a producer through Kafka into the learner, a SIGKILLed
 producer, the http backend against `vllm serve`) are in test_vllm_pipeline.py."""
 
 from __future__ import annotations
@@ -160,6 +161,24 @@ def test_a_file_of_another_architecture_is_refused_and_the_old_weights_serve_on(
     again = generate(gen, PROMPTS[0])
     assert gen.version == version and again.token_ids.tolist() == before.token_ids.tolist()
     np.testing.assert_allclose(again.logprobs, before.logprobs, atol=1e-6)
+
+
+def test_a_file_that_fails_while_staged_leaves_the_old_weights_serving(engine):
+    """The header is this model's, the data is cut short: staging (on CPU, the shadow's reload)
+    fails while the engine decodes on, the swap raises, and the live weights never changed."""
+    gen, version = engine.gen, engine.gen.version
+    before = generate(gen, PROMPTS[2])
+    whole = engine.files[1].read_bytes()
+    (engine.root / "cut.safetensors").write_bytes(whole[:len(whole) - 4096])
+    with pytest.raises(Exception, match="staging the weights failed"):
+        gen.load_weights(str(engine.root / "cut.safetensors"), version + 1)
+    again = generate(gen, PROMPTS[2])
+    assert gen.version == version and again.versions.tolist() == [version] * 16
+    assert again.token_ids.tolist() == before.token_ids.tolist()
+    np.testing.assert_allclose(again.logprobs, before.logprobs, atol=1e-6)
+    gen.load_weights(str(engine.files[1]), version + 1)  # the next swap stages into a new shadow
+    after = generate(gen, PROMPTS[2])
+    assert after.versions.tolist() == [version + 1] * 16 and gap(after, engine.states[1], PROMPTS[2]) < 1e-4
 
 
 def test_pure_parts_sampling_kwargs_spans_and_extraction():
