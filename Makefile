@@ -65,7 +65,7 @@ image: install
 	$(PY) docker/build.py
 
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=30 tests
 
 # everything but the slow modules (tests/conftest.py SLOW: compose, kill, multi-node, vLLM, pipeline), for iterating
 test-fast: install
