@@ -53,7 +53,10 @@ def engine_folder(name: str, *, seed: int = 0, cache: Path = CACHE) -> Path:
     plain.save_pretrained(tmp, safe_serialization=True)
     if name == "smollm2":
         load_tokenizer(name).save_pretrained(tmp)
-    tmp.rename(folder)
+    try:
+        tmp.rename(folder)
+    except OSError:  # another process made it first
+        shutil.rmtree(tmp, ignore_errors=True)
     return folder
 
 
