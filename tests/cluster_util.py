@@ -7,7 +7,7 @@ import random
 import socket
 import time
 
-from confluent_kafka import TopicPartition
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource
 
 from schemas import topics as T
@@ -39,10 +39,17 @@ def replication(bootstrap: str) -> dict[str, tuple[int, str]]:
     consumer.close()
     admin = AdminClient(cfg.client())
     names = [cfg.topic(t) for t in T.ALL] + ["__consumer_offsets"]
-    md = _metadata_naming(admin, names)
-    configs = admin.describe_configs([ConfigResource("topic", n) for n in names])
-    return {res.name: (len(md.topics[res.name].partitions[0].replicas), f.result()["min.insync.replicas"].value)
-            for res, f in configs.items()}
+    deadline = time.monotonic() + 60
+    while True:
+        md = _metadata_naming(admin, names)
+        configs = admin.describe_configs([ConfigResource("topic", n) for n in names])
+        try:
+            return {res.name: (len(md.topics[res.name].partitions[0].replicas),
+                               f.result()["min.insync.replicas"].value) for res, f in configs.items()}
+        except KafkaException as e:  # the node asked for configs may learn of a new topic after the one asked for metadata
+            if e.args[0].code() != KafkaError.UNKNOWN_TOPIC_OR_PART or time.monotonic() > deadline:
+                raise
+        time.sleep(0.5)
 
 
 def _metadata_naming(admin: AdminClient, names: list[str], timeout: float = 60.0):

@@ -307,6 +307,7 @@ def test_past_max_concurrent_a_request_gets_429_and_an_http_producer_retries(tau
     producer = HttpGenerator(proxy.url, token=TOKEN)
     engine = proxy.gen._step_lock  # held here, the engine stands still and the first request stays in flight
     engine.acquire()
+    held = True
     try:
         with httpx.stream("POST", f"{proxy.url}/v1/chat/completions", headers=proxy.headers,
                           json={"messages": [{"role": "user", "content": "hi"}], "stream": True,
@@ -318,11 +319,12 @@ def test_past_max_concurrent_a_request_gets_429_and_an_http_producer_retries(tau
             later = ThreadPoolExecutor(1).submit(asyncio.run, producer.generate([1, 2], SamplingParams(max_tokens=2)))
             wait_until(lambda: "(429)" in caplog.text)  # refused, and retrying rather than dead-lettering
             engine.release()
+            held = False
             assert [x for x in lines if x][-1] == "data: [DONE]"
         assert len(later.result(timeout=60).token_ids) == 2
         assert proxy.chat(messages=[{"role": "user", "content": "hi"}], max_tokens=4).status_code == 200
     finally:
-        if engine.locked():
+        if held:  # not engine.locked(): once released, the engine thread holds it for its own steps
             engine.release()
         proxy.close()
 
