@@ -57,6 +57,8 @@ def engine_folder(name: str, *, seed: int = 0, cache: Path = CACHE) -> Path:
         tmp.rename(folder)
     except OSError:  # another process made it first
         shutil.rmtree(tmp, ignore_errors=True)
+        if not (folder / "config.json").is_file():
+            raise
     return folder
 
 

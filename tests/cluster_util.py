@@ -39,28 +39,26 @@ def replication(bootstrap: str) -> dict[str, tuple[int, str]]:
     consumer.close()
     admin = AdminClient(cfg.client())
     names = [cfg.topic(t) for t in T.ALL] + ["__consumer_offsets"]
-    deadline = time.monotonic() + 60
-    while True:
-        md = _metadata_naming(admin, names)
-        configs = admin.describe_configs([ConfigResource("topic", n) for n in names])
-        try:
-            return {res.name: (len(md.topics[res.name].partitions[0].replicas),
-                               f.result()["min.insync.replicas"].value) for res, f in configs.items()}
-        except KafkaException as e:  # the node asked for configs may learn of a new topic after the one asked for metadata
-            if e.args[0].code() != KafkaError.UNKNOWN_TOPIC_OR_PART or time.monotonic() > deadline:
-                raise
-        time.sleep(0.5)
+    md, configs = _described(admin, names)
+    return {n: (len(md.topics[n].partitions[0].replicas), configs[n]["min.insync.replicas"].value) for n in names}
 
 
-def _metadata_naming(admin: AdminClient, names: list[str], timeout: float = 60.0):
-    """Cluster metadata once the broker asked knows every topic of `names`: a topic created by
-    another node (the group offsets' topic, by its coordinator) reaches this node's metadata a
-    moment later."""
+def _described(admin: AdminClient, names: list[str], timeout: float = 60.0):
+    """(cluster metadata, topic -> configs) once the brokers asked know every topic of `names`:
+    a topic created by one node (the group offsets' topic, by its coordinator) reaches the others a
+    moment apart, and metadata and configs may be answered by different nodes."""
     deadline = time.monotonic() + timeout
     while True:
         md = admin.list_topics(timeout=30)
         missing = [n for n in names if n not in md.topics or not md.topics[n].partitions]
-        if not missing or time.monotonic() > deadline:
-            assert not missing, f"not in the metadata after {timeout:.0f} s: {missing}"
-            return md
+        if not missing:
+            try:
+                described = admin.describe_configs([ConfigResource("topic", n) for n in names])
+                return md, {res.name: f.result() for res, f in described.items()}
+            except KafkaException as e:
+                if e.args[0].code() != KafkaError.UNKNOWN_TOPIC_OR_PART:
+                    raise
+                missing = [f"configs of {e.args[0].str()}"]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not known after {timeout:.0f} s: {missing}")
         time.sleep(0.5)
