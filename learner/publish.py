@@ -55,16 +55,19 @@ class WeightsConfig:
     """Updates up to this size travel inside the announcement on sao.weights (no shared volume
     needed); larger ones are files in --weights-dir."""
     bucket_mb: int = 256
-    """MiB gathered at a time when snapshotting the policy (host memory above the snapshot itself)."""
+    """MiB gathered at a time when snapshotting the policy (host memory above the snapshot itself),
+    and staged on the GPU at a time when broadcasting it over NCCL."""
     transport: Literal["files", "collective"] = "files"
     """collective: also broadcast every update to the engines linked to this learner over
-    torch.distributed (gloo), Kafka still carrying the announcement."""
+    torch.distributed, Kafka still carrying the announcement."""
+    collective_backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """collective: the links' backend; auto is NCCL where the learner trains on CUDA, gloo otherwise."""
     collective_port: int = 29700
     """collective: the TCP port rank 0 listens on for engines (`--weights.collective-addr` of the
     producers and `sao serve`)."""
     collective_timeout_s: float = 30.0
-    """collective: an engine that has not taken an update within this many seconds is dropped
-    from the broadcast (it catches up from anchors and deltas and links again)."""
+    """collective: an engine that has not taken a bucket of an update within this many seconds is
+    dropped from the broadcast (it catches up from anchors and deltas and links again)."""
 
     def __post_init__(self):
         for name in ("anchor_every", "bucket_mb"):

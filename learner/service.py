@@ -36,7 +36,7 @@ from learner.telemetry import Telemetry, staleness_metrics
 from learner.update import SAOUpdate, UpdateConfig
 from learner.value import format_report, param_report
 from schemas import topics as T
-from schemas.collective import Links
+from schemas.collective import Links, link_backend
 from schemas.config import ConfigError
 from schemas.kafka import KafkaConfig, ensure_topics, make_producer
 from schemas.messages import Trajectory
@@ -140,8 +140,9 @@ class Learner:
         self.producer = make_producer(cfg.kafka) if self.rank == 0 else None
         self.publisher = Publisher(
             cfg.weights, self.store, announcer(self.producer, cfg.kafka.topic(T.WEIGHTS)),
-            links=Links(cfg.weights.collective_port, cfg.weights.collective_timeout_s)
-            if cfg.weights.transport == "collective" else None,
+            links=Links(cfg.weights.collective_port, cfg.weights.collective_timeout_s,
+                        link_backend(cfg.weights.collective_backend, self.device), self.device,
+                        cfg.weights.bucket_mb << 20) if cfg.weights.transport == "collective" else None,
             extra={"lora_scale": cfg.model.lora.scale} if cfg.model.lora else None) if self.rank == 0 else None
         self.anchor_requests: AnchorRequests | None = None  # rank 0, once the topics exist (`run`)
 

@@ -67,8 +67,11 @@ class FollowConfig:
     """host:port of the learner's collective endpoint (its --weights.collective-port): take updates
     broadcast to this engine over torch.distributed; "": files and inline payloads only."""
     collective_timeout_s: float = 30.0
-    """An update not received over the link within this many seconds: the link is dropped and
-    the files used."""
+    """A bucket of an update not received over the link within twice this many seconds (the
+    learner's own timeout on a stalled peer first): the link is dropped and the files used."""
+    collective_device: str = "cuda"
+    """The GPU an NCCL link receives on (a learner on CUDA broadcasts over NCCL; gloo receives on
+    the host)."""
     scratch_dir: str = ""
     """Folder for the full file handed to the engine at each update (one kept); "": a temporary folder."""
 
@@ -136,7 +139,7 @@ class WeightSubscriber:
         self._own_scratch = not follow.scratch_dir
         self._scratch = Path(follow.scratch_dir or tempfile.mkdtemp(prefix="sao-weights-"))
         self._scratch.mkdir(parents=True, exist_ok=True)
-        self._link = Link(follow.collective_addr, follow.collective_timeout_s) if follow.collective_addr else None
+        self._link = Link(follow.collective_addr, follow.collective_timeout_s, follow.collective_device) if follow.collective_addr else None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="weights", daemon=True)
 

@@ -2,18 +2,26 @@
 linked to it over torch.distributed, while `sao.weights` still carries the announcement (the
 source of truth for versions; an engine outside the broadcast reads the payload instead).
 
-The learner hosts a TCPStore (`--weights.collective-port`). An engine that holds a state links
-itself: it takes a slot number from the store and forms a two-member gloo group with the learner
-under that slot's prefix. One group per engine, not one for all: an engine that dies or stops
-breaks its own group only, so the learner drops it at the first failed or timed-out operation
-and goes on with the others; the engine catches up from anchors and deltas and links again under
-a new slot. (NCCL would keep the bytes on the GPUs; it is not wired here, see docs/operations.md, Weight transport.)
+The learner hosts a TCPStore (`--weights.collective-port`) and writes there the backend its
+links use: NCCL where it trains on CUDA (the bytes go GPU to GPU, over NVLink or InfiniBand), gloo
+otherwise (host tensors over TCP). An engine that holds a state links itself: it takes a slot
+number from the store and forms a two-member group of that backend with the learner under that
+slot's prefix; an engine that cannot use the backend (NCCL, and no GPU here) stays on the files.
+One group per engine, not one for all: an engine that dies or stops breaks its own group only,
+so the learner drops it at the first failed or timed-out operation (an NCCL group is aborted
+then, by this code's own deadline, long before torch's watchdog, which would end the whole
+process) and goes on with the others; the engine catches up from anchors and deltas and links
+again under a new slot.
 
 Per update the learner writes the members it broadcasts to under `sao/bcast/{version}`, then
-queues to each a header (version, bytes) and every tensor's bytes, straight from its snapshot (no
-staging copy), on that member's own group, so a member that stalls holds up its own queue only;
-an engine that reads the announcement waits for that key, receives if it is listed, into the
-layout of the state it holds (same names, dtypes, shapes), and verifies the result against the
+sends each a header (version, bytes, bucket size) and then every tensor's bytes a bucket at a
+time: a bucket is staged on the link's device (no copy on the host, where gloo sends the
+snapshot's own memory; `--weights.bucket-mb` of device memory under NCCL), broadcast to every
+member, and waited for before the next: a member that has not taken a bucket within
+`--weights.collective-timeout-s` is dropped, and the others, which wait up to twice their own
+timeout for a bucket, go on with the next. An engine that reads the announcement waits for that key,
+receives if it is listed, into the layout of the state it holds (same names, dtypes, shapes),
+through device buffers of the same buckets under NCCL, and verifies the result against the
 announcement's digest like any other update.
 """
 
@@ -21,35 +29,95 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import threading
+import time
+from collections.abc import Iterator
+from typing import Literal
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from schemas import weights as W
+from schemas.config import ConfigError
 
 log = logging.getLogger(__name__)
 
-_ENGINES, _LINK, _BCAST = "sao/engines", "sao/link/", "sao/bcast/"
+_ENGINES, _LINK, _BCAST, _BACKEND = "sao/engines", "sao/link/", "sao/bcast/", "sao/backend"
+
+Backend = Literal["gloo", "nccl"]
 
 
-def _group(store, slot: int, rank: int, timeout_s: float):
-    return dist.ProcessGroupGloo(dist.PrefixStore(f"{_LINK}{slot}", store), rank, 2,
-                                 datetime.timedelta(seconds=timeout_s))
+def link_backend(choice: Literal["auto", "gloo", "nccl"], device: torch.device) -> Backend:
+    """The backend of the learner's links: `auto` is NCCL where the learner trains on CUDA."""
+    if choice == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if choice == "nccl" and device.type != "cuda":
+        raise ConfigError(f"--weights.collective-backend nccl needs the learner on CUDA; it runs on {device}")
+    return choice
 
 
-def _broadcast(group, tensor: torch.Tensor):
-    return group.broadcast([tensor], dist.BroadcastOptions())  # root 0: the learner
+def _group(store, slot: int, rank: int, timeout_s: float, backend: Backend, device: torch.device):
+    prefix = dist.PrefixStore(f"{_LINK}{slot}", store)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(prefix, rank, 2, timeout)  # waits for the other half
+    # Non-blocking NCCL, as torchft runs it: a peer that never comes or dies makes our own deadline
+    # fail (then `abort`), not a hang; torch's watchdog, which would end the whole process (the
+    # learner with every other engine), is set far past that deadline.
+    os.environ.setdefault("TORCH_NCCL_NONBLOCKING_TIMEOUT", str(int(timeout_s)))
+    opts = dist.ProcessGroupNCCL.Options()
+    opts.config.blocking = False
+    opts._timeout = max(datetime.timedelta(minutes=30), 10 * timeout)
+    group = dist.ProcessGroupNCCL(prefix, rank, 2, opts)
+    group.eager_connect_single_device(device)  # the communicator now, as gloo's constructor does
+    return group
+
+
+def _buckets(tensors: list[torch.Tensor], bucket_bytes: int) -> Iterator[list[torch.Tensor]]:
+    """Consecutive runs of `tensors` of at most `bucket_bytes` each (a larger tensor alone)."""
+    bucket, size = [], 0
+    for t in tensors:
+        if bucket and size + t.nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(t)
+        size += t.nbytes
+    if bucket:
+        yield bucket
+
+
+def _start(group, tensors: list[torch.Tensor]) -> list:
+    """Queue the broadcast of `tensors` from the learner (rank 0) over `group`."""
+    return [group.broadcast([t], dist.BroadcastOptions()) for t in tensors]
+
+
+def _finish(works: list, deadline: float) -> None:
+    """Wait for queued broadcasts; RuntimeError if they have not finished by `deadline` (monotonic)."""
+    for work in works:
+        work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+
+
+PEER_STALL = 2.0
+"""An engine waits this many times its timeout for a bucket: the learner may first wait its own
+timeout on a stalled peer of that bucket before dropping it and sending on."""
+
+
+def _drop(group, backend: Backend) -> None:
+    if backend == "nccl":
+        group.abort()  # frees the communicator and anything still queued on it
 
 
 class Links:
     """Learner side: accepts engines as they link, and broadcasts states to them."""
 
-    def __init__(self, port: int, timeout_s: float):
-        self.timeout_s = timeout_s
+    def __init__(self, port: int, timeout_s: float, backend: Backend = "gloo",
+                 device: torch.device = torch.device("cpu"), bucket_bytes: int = 256 << 20):
+        self.timeout_s, self.backend, self.device, self.bucket_bytes = timeout_s, backend, device, bucket_bytes
         self.store = dist.TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=timeout_s))
+        self.store.set(_BACKEND, backend)
         self._groups: dict[int, object] = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -67,37 +135,46 @@ class Links:
             for slot in range(self._accepted + 1, self.store.add(_ENGINES, 0) + 1):
                 self._accepted = slot
                 try:
-                    group = _group(self.store, slot, 0, self.timeout_s)  # waits for the engine's half
+                    group = _group(self.store, slot, 0, self.timeout_s, self.backend, self.device)
                 except RuntimeError as e:
                     log.warning("engine %d did not link: %s", slot, e)
                     continue
                 with self._lock:
                     self._groups[slot] = group
-                log.info("engine %d linked for weight broadcasts", slot)
+                log.info("engine %d linked for weight broadcasts (%s)", slot, self.backend)
 
     def broadcast(self, version: int, state: W.State) -> list[int]:
         """Send `state` to every linked engine; returns the ones that took it. An engine that fails
-        or times out is dropped (it reads the payload instead and links again)."""
+        or has not taken it within the timeout is dropped (it reads the payload instead and links
+        again)."""
         with self._lock:
             groups = dict(self._groups)
         self.store.set(f"{_BCAST}{version}", ",".join(map(str, groups)))
         if version >= 16:
             self.store.delete_key(f"{_BCAST}{version - 16}")  # engines long past it
-        header = torch.tensor([version, sum(t.bits.nbytes for t in state.values())], dtype=torch.int64)
-        tensors = [header] + [torch.from_numpy(t.bits.view(np.uint8)) for t in state.values()]
-        queued = {slot: [_broadcast(g, t) for t in tensors] for slot, g in groups.items()}  # all at once
-        alive = []
-        for slot, works in queued.items():
-            try:
-                for work in works:
-                    work.wait()
-                alive.append(slot)
-            except RuntimeError as e:  # died, stopped or lagging past the timeout: the others go on
+        total = sum(t.bits.nbytes for t in state.values())
+        header = torch.tensor([version, total, self.bucket_bytes], dtype=torch.int64)
+        tensors = [torch.from_numpy(t.bits.view(np.uint8)) for t in state.values()]
+        for bucket in [[header]] + list(_buckets(tensors, self.bucket_bytes)):
+            staged = [t.to(self.device, non_blocking=True) for t in bucket]  # the tensor itself on the host
+            deadline = time.monotonic() + self.timeout_s
+            queued, failed = {}, {}
+            for slot, group in groups.items():  # every member's share queued at once, then waited for
+                try:
+                    queued[slot] = _start(group, staged)
+                except RuntimeError as e:
+                    failed[slot] = e
+            for slot, works in queued.items():
+                try:
+                    _finish(works, deadline)
+                except RuntimeError as e:  # died, stopped or lagging past the timeout: the others go on
+                    failed[slot] = e
+            for slot, e in failed.items():
                 log.warning("engine %d dropped from the weight broadcast: %s", slot, e)
-        with self._lock:
-            for slot in groups.keys() - set(alive):
-                self._groups.pop(slot, None)
-        return alive
+                _drop(groups.pop(slot), self.backend)
+                with self._lock:
+                    self._groups.pop(slot, None)
+        return sorted(groups)
 
     def close(self) -> None:
         self._closed.set()
@@ -106,19 +183,20 @@ class Links:
 
 class Link:
     """Engine side: links to the learner in the background once `start`ed, and receives the
-    broadcasts it is a member of."""
+    broadcasts it is a member of. `refused` says why it will not link (the learner's backend is
+    one this engine cannot use); it then stays on the files."""
 
-    def __init__(self, addr: str, timeout_s: float):
+    def __init__(self, addr: str, timeout_s: float, device: str = "cuda"):
         host, _, port = addr.rpartition(":")
-        self.host, self.port, self.timeout_s = host, int(port), timeout_s
-        self.slot = 0
+        self.host, self.port, self.timeout_s, self.device = host, int(port), timeout_s, device
+        self.slot, self.backend, self.refused, self._on = 0, "gloo", "", torch.device("cpu")
         self._store = self._group = None
         self._linked, self._closed = threading.Event(), threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         """Begin linking (again, after a drop), in the background."""
-        if self._thread is None or not self._thread.is_alive():
+        if not self.refused and (self._thread is None or not self._thread.is_alive()):
             self._thread = threading.Thread(target=self._connect, name="weights-link", daemon=True)
             self._thread.start()
 
@@ -126,16 +204,31 @@ class Link:
     def linked(self) -> bool:
         return self._linked.is_set()
 
+    def _device(self, backend: Backend) -> torch.device:
+        if backend == "gloo":
+            return torch.device("cpu")
+        if not torch.cuda.is_available():
+            raise ConfigError("the learner broadcasts over NCCL and this engine has no GPU")
+        return torch.device(self.device)
+
     def _connect(self) -> None:
         backoff = 0.5
         while not self._closed.is_set() and not self._linked.is_set():
             try:
                 store = dist.TCPStore(self.host, self.port, is_master=False,
                                       timeout=datetime.timedelta(seconds=self.timeout_s))
+                backend = store.get(_BACKEND).decode()
+                device = self._device(backend)
                 slot = store.add(_ENGINES, 1)
-                self._store, self._group, self.slot = store, _group(store, slot, 1, self.timeout_s), slot
+                group = _group(store, slot, 1, self.timeout_s, backend, device)
+                self._store, self._group, self.slot, self.backend, self._on = store, group, slot, backend, device
                 self._linked.set()
-                log.info("linked to the learner at %s:%d as engine %d", self.host, self.port, slot)
+                log.info("linked to the learner at %s:%d as engine %d (%s)", self.host, self.port, slot, backend)
+            except ConfigError as e:
+                self.refused = str(e)
+                log.error("not linking to the learner at %s:%d: %s; taking updates from the files",
+                          self.host, self.port, e)
+                return
             except RuntimeError as e:  # no learner yet, or it went away
                 log.info("no weight link to %s:%d yet: %s", self.host, self.port, e)
                 self._closed.wait(backoff)
@@ -152,22 +245,33 @@ class Link:
             self._store.wait([key], datetime.timedelta(seconds=self.timeout_s))
             if str(self.slot) not in self._store.get(key).decode().split(","):
                 return None
-            header = torch.empty(2, dtype=torch.int64)
             bufs = [np.empty(t.bits.nbytes, np.uint8) for t in layout.values()]
-            works = [_broadcast(self._group, header)] + [_broadcast(self._group, torch.from_numpy(b)) for b in bufs]
-            works[0].wait()
-            total = sum(b.size for b in bufs)
-            if header.tolist() != [version, total]:
-                raise RuntimeError(f"broadcast of {header.tolist()}, expected version {version} of {total} bytes")
-            for work in works[1:]:
-                work.wait()
+            header = self._receive([torch.empty(3, dtype=torch.int64)])[0]
+            version_sent, total, bucket_bytes = header.tolist()
+            if [version_sent, total] != [version, sum(b.size for b in bufs)]:
+                raise RuntimeError(f"broadcast of version {version_sent}, {total} bytes; expected "
+                                   f"version {version}, {sum(b.size for b in bufs)} bytes (another layout)")
+            for bucket in _buckets([torch.from_numpy(b) for b in bufs], bucket_bytes):
+                self._receive(bucket)
         except RuntimeError:
             self._unlink()
             raise
-        return {name: W.Tensor(t.dtype, t.shape, b.view(t.bits.dtype)) for (name, t), b in zip(layout.items(), bufs)}
+        return {name: W.Tensor(t.dtype, t.shape, b.view(t.bits.dtype))
+                for (name, t), b in zip(layout.items(), bufs)}
+
+    def _receive(self, host: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Receive one bucket into `host` (through buffers on the link's device, if not the host's)."""
+        staged = [t if t.device == self._on else torch.empty_like(t, device=self._on) for t in host]
+        _finish(_start(self._group, staged), time.monotonic() + PEER_STALL * self.timeout_s)
+        for h, s in zip(host, staged):
+            if s is not h:
+                h.copy_(s)
+        return host
 
     def _unlink(self) -> None:
         self._linked.clear()
+        if self._group is not None:
+            _drop(self._group, self.backend)
         self._store = self._group = None
         self.start()
 

@@ -23,6 +23,8 @@ CASES = [
     (["learner", "--model.name", "no-such-model"], "--model.name"),
     (["learner", "--max-seq-len", "100000"], "--max-seq-len"),  # beyond tiny-llama's 256 positions
     (["learner", "--update.lr-policy", "0"], "--lr-policy"),
+    (["learner", "--weights.transport", "collective", "--weights.collective-backend", "nccl"],
+     "--weights.collective-backend"),  # NCCL needs the learner on CUDA
     (["producer", "--model", "no-such-model"], "--model"),
     (["producer", "--env", "math", "--model", "tiny-llama"], "tokenizer"),
     (["producer", "--env", "no-such-env"], "--env"),
