@@ -209,7 +209,10 @@ class Link:
             return torch.device("cpu")
         if not torch.cuda.is_available():
             raise ConfigError("the learner broadcasts over NCCL and this engine has no GPU")
-        return torch.device(self.device)
+        device = torch.device(self.device)
+        if device.type != "cuda":
+            raise ConfigError(f"the learner broadcasts over NCCL; --weights.collective-device {self.device} is no GPU")
+        return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
     def _connect(self) -> None:
         backoff = 0.5
