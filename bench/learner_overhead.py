@@ -8,9 +8,12 @@ Publication: the training thread only snapshots the policy (`perf/publish_s`); e
 announcing run on the publisher's thread. Both are timed from the end of their first step to the end of their last (the first step pays
 one-off warm-up), and both with the embedded broker running on the same cores (on 2 cores an idle
 Kafka costs the training thread several percent; the bare loop is also timed without it).
-Target: ratio >= 0.98 at the defaults (issue 19: publication off the training thread). The service runs three times: with its
-default checkpoint interval, checkpointing after every step, and with neither checkpoints nor
-weight publication in the timed window (what Kafka consumption and step formation alone cost).
+Target: ratio >= 0.98 at the defaults (issue 19: publication off the training thread). The service runs five ways: with its
+default checkpoint interval, checkpointing after every step, with publication but no checkpoint in
+the timed window, the same with every update a file (none inline in its announcement, so the broker
+on these cores stores 200-byte announcements instead of the updates), and with neither checkpoints
+nor weight publication (what Kafka consumption and step formation alone cost). The broker's own CPU
+seconds per step are printed for each (it shares the cores here; it would not in a deployment).
 Every path runs `--repeats` times, the paths taking turns, and the fastest run of each counts.
 """
 
@@ -75,6 +78,12 @@ def service(bootstrap: str, trajs: list[Trajectory], model: ModelConfig, batch: 
         return [json.loads(x) for x in Path(f"{tmp}/learner/metrics.jsonl").read_text().splitlines()]
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (Linux: /proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def main() -> None:
     ap = command_line(__doc__)
     ap.add_argument("--steps", type=int, default=21,
@@ -100,12 +109,19 @@ def main() -> None:
     flags, never = args.service_flags.split(), str(10 * args.steps)
     cases = {"sao learner (Kafka, FSDP2)": flags,
              "  the same, checkpoint every step": [*flags, "--checkpoint-every", "1"],
+             "  the same, no checkpoint": [*flags, "--checkpoint-every", never],
+             "  the same, no checkpoint, updates as files": [*flags, "--checkpoint-every", never,
+                                                              "--weights.inline-bytes", "0"],
              "  the same, no checkpoint, no publication": [*flags, "--checkpoint-every", never, "--publish-every", never]}
     runs, bares = {name: [] for name in cases}, []
+    broker_cpu: dict[str, list[float]] = {name: [] for name in cases}  # per step, each run
     with EmbeddedBroker(BrokerConfig(port=0)) as broker:
+        pid = broker.nodes[0].proc.pid
         for _ in range(args.repeats):
             for name, extra in cases.items():
+                before = cpu_seconds(pid)
                 runs[name].append(service(broker.bootstrap, trajs, model, args.batch, extra))
+                broker_cpu[name].append((cpu_seconds(pid) - before) / args.steps)
             bares.append(rate(bare_loop(trajs, model, UpdateConfig(warmup_steps=0), args.batch)))
     alone = max(rate(bare_loop(trajs, model, UpdateConfig(warmup_steps=0), args.batch)) for _ in range(args.repeats))
     bare = max(bares)
@@ -113,21 +129,27 @@ def main() -> None:
     def service_rate(steps: list[dict]) -> float:
         return rate([s["time"] for s in steps])
 
-    best = {name: max(tries, key=service_rate) for name, tries in runs.items()}
+    best = {name: max(range(args.repeats), key=lambda i: service_rate(tries[i])) for name, tries in runs.items()}
     print(f"learner_overhead: tiny-llama h{args.hidden} L{args.layers} V{args.vocab}, {args.steps} steps "
           f"x {args.batch} trajectories x {args.length} tokens, best of {args.repeats}, service flags [{args.service_flags}]  "
           f"[{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}]")
     print(f"{'path':<44}{'tokens/s':>10}{'ratio':>8}   each run's tokens/s (best counts)")
     print(f"{'bare SAOUpdate loop, broker idle alongside':<44}{bare:>10.0f}{1.0:>8.2f}   {' '.join(f'{r:.0f}' for r in bares)}")
     for i, (name, tries) in enumerate(runs.items()):
-        full = service_rate(best[name])
+        full = service_rate(tries[best[name]])
         print(f"{name:<44}{full:>10.0f}{full / bare:>8.2f}   {' '.join(f'{service_rate(t):.0f}' for t in tries)}"
               + ("   target >= 0.98" if i == 0 else ""))
     print(f"{'bare SAOUpdate loop, no broker on the machine':<44}{alone:>10.0f}{alone / bare:>8.2f}")
-    for name, steps in best.items():
-        print(f"{name.strip()}: train step {np.mean([s['perf/train_s'] for s in steps[1:]]):.2f} s; "
-              f"per step checkpoint+publish {np.mean([s['perf/step_s'] - s['perf/train_s'] for s in steps[1:]]):.3f} s "
-              f"(of which the publication's snapshot {np.mean([s['perf/publish_s'] for s in steps[1:]]):.3f} s)")
+    for name, i in best.items():
+        steps = runs[name][i][1:]
+        published = list({s["weights/published_version"]: s for s in steps if "weights/bytes" in s}.values())
+        published = published if len(published) > 1 else []  # the start's anchor only: nothing published
+        print(f"{name.strip()}: train step {np.mean([s['perf/train_s'] for s in steps]):.2f} s; "
+              f"per step checkpoint+publish {np.mean([s['perf/step_s'] - s['perf/train_s'] for s in steps]):.3f} s "
+              f"(of which the publication's snapshot {np.mean([s['perf/publish_s'] for s in steps]):.3f} s); "
+              f"broker CPU {broker_cpu[name][i]:.3f} s per step (the whole run)"
+              + (f"; update {np.mean([s['weights/bytes'] for s in published]) / 1e6:.1f} MB, "
+                 f"{np.mean([s['weights/inline'] for s in published]):.0%} inline" if published else ""))
 
 
 if __name__ == "__main__":
