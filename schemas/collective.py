@@ -88,9 +88,12 @@ def _buckets(tensors: list[torch.Tensor], bucket_bytes: int) -> Iterator[list[to
         yield bucket
 
 
-def _start(group, tensors: list[torch.Tensor]) -> list:
-    """Queue the broadcast of `tensors` from the learner (rank 0) over `group`."""
-    return [group.broadcast([t], dist.BroadcastOptions()) for t in tensors]
+def _start(group, tensors: list[torch.Tensor], deadline: float) -> list:
+    """Queue the broadcast of `tensors` from the learner (rank 0) over `group`, each to fail at
+    `deadline` (monotonic), not at the group's own timeout."""
+    opts = dist.BroadcastOptions()
+    opts.timeout = datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+    return [group.broadcast([t], opts) for t in tensors]
 
 
 def _finish(works: list, deadline: float) -> None:
@@ -161,7 +164,7 @@ class Links:
             queued, failed = {}, {}
             for slot, group in groups.items():  # every member's share queued at once, then waited for
                 try:
-                    queued[slot] = _start(group, staged)
+                    queued[slot] = _start(group, staged, deadline)
                 except RuntimeError as e:
                     failed[slot] = e
             for slot, works in queued.items():
@@ -265,7 +268,8 @@ class Link:
     def _receive(self, host: list[torch.Tensor]) -> list[torch.Tensor]:
         """Receive one bucket into `host` (through buffers on the link's device, if not the host's)."""
         staged = [t if t.device == self._on else torch.empty_like(t, device=self._on) for t in host]
-        _finish(_start(self._group, staged), time.monotonic() + PEER_STALL * self.timeout_s)
+        deadline = time.monotonic() + PEER_STALL * self.timeout_s
+        _finish(_start(self._group, staged, deadline), deadline)
         for h, s in zip(host, staged):
             if s is not h:
                 h.copy_(s)

@@ -85,6 +85,21 @@ def test_an_engine_holding_another_layout_is_dropped_and_the_learner_goes_on_the
     link.close()
 
 
+def test_a_stalled_engine_is_dropped_while_a_healthy_one_waits_and_takes_the_update(links):
+    """The learner waits its 3 s timeout on the stalled engine's first bucket before sending the
+    next; the healthy engine must outwait that (its buckets' receives fail at twice its timeout,
+    not at its group's own 3 s: a race lost in CI once)."""
+    healthy, stalled = linked(links), linked(links)
+    sent = state(4)
+    out = send(links, 4, sent)
+    got = healthy.receive(4, zeros_like(sent))  # `stalled` never receives
+    out["thread"].join(10)
+    assert out["took"] == [healthy.slot] and W.digest(got) == W.digest(sent)
+    assert links.members == [healthy.slot]
+    healthy.close()
+    stalled.close()
+
+
 def test_an_engine_not_in_a_broadcast_takes_the_files():
     links = C.Links(free_port(), timeout_s=3.0)
     try:
