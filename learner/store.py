@@ -20,6 +20,7 @@ import msgpack
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.utils._pytree import tree_map_only
 
 from schemas.weights import Payload
 
@@ -102,8 +103,11 @@ class Checkpointer:
     `torch.distributed.checkpoint` (nothing is gathered; a restart may use another number of
     ranks), and rank 0's `learner.msgpack` of plain data (offsets, ledger, counters).
 
-    `save` stages a copy of the tensors (so training may go on mutating the originals) and writes
-    in the background over its own gloo group (the training collectives never interleave with it).
+    `save` stages a host copy of the tensors on the training thread (so training may go on
+    mutating the originals) and writes it with `dcp.save` on a writer thread, over its own gloo
+    group (the training collectives never interleave with it). Not `dcp.async_save`: with its
+    default stager, the same write overlapping a training step cost that step about four times as
+    much on these 2 cores (0.86-0.93 s against 0.17-0.22 s per checkpoint of a 2.1 s step).
     The folder is written as `.step…tmp` and renamed once the shards, the metadata and the data
     file are durable; only then does `then` run on rank 0, which is where the caller commits Kafka
     offsets. One write is in flight at a time; `wait` joins it. Nothing is unpickled on load
@@ -130,14 +134,14 @@ class Checkpointer:
         if self.rank == 0:  # a crashed attempt at this step (another world size, say) left its shards here
             shutil.rmtree(tmp, ignore_errors=True)
         dist.barrier(group=self.group)  # no rank writes before the leftovers are gone
-        future = dcp.async_save(tensors, checkpoint_id=tmp, process_group=self.group)
-        self._writer = threading.Thread(target=self._finish, args=(future, step, tmp, data, then),
+        staged = tree_map_only(torch.Tensor, lambda t: t.detach().to("cpu", copy=True), tensors)
+        self._writer = threading.Thread(target=self._write, args=(staged, step, tmp, data, then),
                                         name="checkpoint-writer")
         self._writer.start()
 
-    def _finish(self, future, step: int, tmp: Path, data: dict, then: Callable[[], None]) -> None:
+    def _write(self, tensors: dict, step: int, tmp: Path, data: dict, then: Callable[[], None]) -> None:
         try:
-            future.result()  # every rank's shards and rank 0's metadata are written and fsynced
+            dcp.save(tensors, checkpoint_id=tmp, process_group=self.group)  # every rank's shards, rank 0's metadata, fsynced
             if self.rank != 0:
                 return
             atomic_file(tmp / "learner.msgpack", lambda f: f.write_bytes(msgpack.packb(data, use_bin_type=True)))

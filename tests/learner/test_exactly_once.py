@@ -59,10 +59,10 @@ def test_sigkill_three_times_with_three_partitions_and_two_producers_trains_each
 SLOW_DISK = """
 import sys, time
 import learner.store as store
-finish = store.Checkpointer._finish
-def slow(self, future, step, tmp, data, then):
-    finish(self, future, step, tmp, data, lambda: (time.sleep(4), then()))
-store.Checkpointer._finish = slow
+write = store.Checkpointer._write
+def slow(self, tensors, step, tmp, data, then):
+    write(self, tensors, step, tmp, data, lambda: (time.sleep(4), then()))
+store.Checkpointer._write = slow
 from sao.cli import main
 main(sys.argv[1:])
 """
