@@ -5,12 +5,13 @@ for staleness and duplicates, trained under FSDP2, checkpointed with offsets com
 new policy written to the weight store and announced. The bare loop: the same model, the same
 trajectories and the same `SAOUpdate` steps (also under FSDP2, world size 1), nothing else.
 Publication: the training thread only snapshots the policy (`perf/publish_s`); encoding, writing and
-announcing run on the publisher's thread. Both are timed from the end of their first step to the end of their last (the first step pays
-one-off warm-up), and both with the embedded broker running on the same cores (on 2 cores an idle
-Kafka costs the training thread several percent; the bare loop is also timed without it).
-Target: ratio >= 0.98 at the defaults (issue 19: publication off the training thread). The service runs five ways: with its
-default checkpoint interval, checkpointing after every step, with publication but no checkpoint in
-the timed window, the same with every update a file (none inline in its announcement, so the broker
+announcing run on the publisher's thread. Both are timed from the end of their first step to the
+end of their last (the first step pays one-off warm-up), and both with the embedded broker running
+on the same cores (on 2 cores an idle Kafka costs the training thread several percent; the bare
+loop is also timed without it). Target: ratio >= 0.98 at the defaults (issue 19: publication off
+the training thread). The service runs five ways: with its default checkpoint interval,
+checkpointing after every step, with publication but no checkpoint in the timed window, the same
+with every update a file (none inline in its announcement, so the broker
 on these cores stores 200-byte announcements instead of the updates), and with neither checkpoints
 nor weight publication (what Kafka consumption and step formation alone cost). The broker's own CPU
 seconds per step are printed for each (it shares the cores here; it would not in a deployment).
@@ -18,7 +19,10 @@ Every path runs `--repeats` times, the paths taking turns with the bare loop. Tw
 the fastest run against the fastest bare run, and the median of paired ratios (each run against the
 bare run of its own turn, minutes apart), which slow spells of these shared cores move less.
 `--paths` picks paths by key (defaults, every, no-ckpt, files, no-pub), so the target's two can run
-more often in the same time.
+more often in the same time. `--threads N` gives the training N intra-op threads (the bare loop and
+the service alike): with fewer threads than cores the learner's background threads and the broker
+get a core of their own, as a GPU learner's host cores are free of the training's compute; on 2
+cores with 2 threads any CPU they take stalls both threads of every parallel region.
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ def bare_loop(trajs: list[Trajectory], model: ModelConfig, update: UpdateConfig,
 
 
 def service(bootstrap: str, trajs: list[Trajectory], model: ModelConfig, batch: int,
-            extra: list[str]) -> list[dict]:
+            extra: list[str], env: dict[str, str]) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         cfg = KafkaConfig(bootstrap=bootstrap, topic_prefix=f"b{uuid.uuid4().hex[:6]}", settings={})
         ensure_topics(cfg)
@@ -78,7 +82,7 @@ def service(bootstrap: str, trajs: list[Trajectory], model: ModelConfig, batch: 
                "--model.hidden-size", str(model.hidden_size), "--model.num-layers", str(model.num_layers),
                "--update.warmup-steps", "0", *extra]
         subprocess.run(cmd, check=True, cwd=ROOT, stderr=subprocess.DEVNULL,
-                       env={**os.environ, "SAO_LOG_LEVEL": "WARNING"})
+                       env={**os.environ, "SAO_LOG_LEVEL": "WARNING", **env})
         return [json.loads(x) for x in Path(f"{tmp}/learner/metrics.jsonl").read_text().splitlines()]
 
 
@@ -101,7 +105,12 @@ def main() -> None:
     ap.add_argument("--service-flags", default="", help="extra `sao learner` flags, space separated")
     ap.add_argument("--paths", default="defaults,every,no-ckpt,files,no-pub",
                     help="service paths to run, comma separated, of: defaults, every, no-ckpt, files, no-pub")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="intra-op threads of the training, bare and service alike (0: torch's default)")
     args = ap.parse_args()
+    env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers)
     trajs = synthetic(args.steps * args.batch, args.length, args.vocab)
     tokens_per_step = args.batch * args.length
@@ -131,7 +140,7 @@ def main() -> None:
         for _ in range(args.repeats):
             for name, extra in cases.items():
                 before = cpu_seconds(pid)
-                runs[name].append(service(broker.bootstrap, trajs, model, args.batch, extra))
+                runs[name].append(service(broker.bootstrap, trajs, model, args.batch, extra, env))
                 broker_cpu[name].append((cpu_seconds(pid) - before) / args.steps)
             bares.append(rate(bare_loop(trajs, model, UpdateConfig(warmup_steps=0), args.batch)))
     alone = max(rate(bare_loop(trajs, model, UpdateConfig(warmup_steps=0), args.batch))
@@ -143,7 +152,8 @@ def main() -> None:
 
     best = {name: max(range(args.repeats), key=lambda i: service_rate(tries[i])) for name, tries in runs.items()}
     print(f"learner_overhead: tiny-llama h{args.hidden} L{args.layers} V{args.vocab}, {args.steps} steps "
-          f"x {args.batch} trajectories x {args.length} tokens, best of {args.repeats}, service flags [{args.service_flags}]  "
+          f"x {args.batch} trajectories x {args.length} tokens, {torch.get_num_threads()} training threads, "
+          f"best of {args.repeats}, service flags [{args.service_flags}]  "
           f"[{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}]")
     print(f"{'path':<44}{'tokens/s':>10}{'ratio':>8}{'paired':>8}   each run's tokens/s (paired ratio)")
     print(f"{'bare SAOUpdate loop, broker idle alongside':<44}{bare:>10.0f}{1.0:>8.2f}{'':>8}   "
