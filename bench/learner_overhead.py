@@ -11,10 +11,10 @@ on the same cores (on 2 cores an idle Kafka costs the training thread several pe
 loop is also timed without it). Target: ratio >= 0.98 at the defaults (issue 19: publication off
 the training thread). The service runs five ways: with its default checkpoint interval,
 checkpointing after every step, with publication but no checkpoint in the timed window, the same
-with every update a file (none inline in its announcement, so the broker
-on these cores stores 200-byte announcements instead of the updates), and with neither checkpoints
-nor weight publication (what Kafka consumption and step formation alone cost). The broker's own CPU
-seconds per step are printed for each (it shares the cores here; it would not in a deployment).
+with every update a file (none inline in its announcement, so the broker on these cores stores
+200-byte announcements instead of the updates), and with neither checkpoints nor weight publication
+(what Kafka consumption and step formation alone cost). The broker's own CPU seconds per step are
+printed for each (it shares the cores here; it would not in a deployment).
 Every path runs `--repeats` times, the paths taking turns with the bare loop. Two figures per path:
 the fastest run against the fastest bare run, and the median of paired ratios (each run against the
 bare run of its own turn, minutes apart), which slow spells of these shared cores move less.
@@ -108,9 +108,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0,
                     help="intra-op threads of the training, bare and service alike (0: torch's default)")
     args = ap.parse_args()
-    env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
-    if args.threads:
+    env = {}
+    if args.threads:  # the bare loop runs in this process, the service in its own
         torch.set_num_threads(args.threads)
+        env["OMP_NUM_THREADS"] = str(args.threads)
     model = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers)
     trajs = synthetic(args.steps * args.batch, args.length, args.vocab)
     tokens_per_step = args.batch * args.length
