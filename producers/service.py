@@ -42,7 +42,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol
 
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
@@ -171,25 +171,25 @@ def make_generator(cfg: ProducerConfig, backend: str | None = None) -> Generator
     raise ValueError(f"--backend {backend or cfg.backend!r}")
 
 
-def learner_generator(cfg: ProducerConfig, backend: str, store) -> tuple[Generator, str]:
+def learner_generator(backend: str, store, *, seed: int, device: str, vllm: VLLMConfig) -> tuple[Generator, str]:
     """A generator of the learner's published architecture (random weights, version -1, until the
-    weights subscription loads the learner's), and the learner's model name (for the tokenizer)."""
+    learner's weights are loaded into it), and the learner's model name (for the tokenizer)."""
     from producers.models import learner_model_name
 
     if backend == "vllm":
         from producers.generate.vllm import VLLMGenerator
-        return VLLMGenerator(store, load=False, version=-1, seed=cfg.seed, cfg=cfg.vllm), learner_model_name(store)
+        return VLLMGenerator(store, load=False, version=-1, seed=seed, cfg=vllm), learner_model_name(store)
     from producers.generate.hf import HFGenerator
     from producers.models import load_learner_model
-    policy, model = load_learner_model(store, device=cfg.device)
-    return HFGenerator(policy, version=-1, seed=cfg.seed), model
+    policy, model = load_learner_model(store, device=device)
+    return HFGenerator(policy, version=-1, seed=seed), model
 
 
-def choose_backend(cfg: ProducerConfig, folder) -> str:
-    """`--backend`, with auto resolved for the model in transformers folder `folder`: vllm where
+def choose_backend(backend: str, folder) -> str:
+    """`backend`, with auto resolved for the model in transformers folder `folder`: vllm where
     this machine and the model allow it, else hf, saying why."""
-    if cfg.backend != "auto":
-        return cfg.backend
+    if backend != "auto":
+        return backend
     from producers.generate.vllm import refusal
 
     why = refusal(json.loads((Path(folder) / "config.json").read_text()))
@@ -197,7 +197,20 @@ def choose_backend(cfg: ProducerConfig, folder) -> str:
     return "hf" if why else "vllm"
 
 
-def make_parts(cfg: ProducerConfig, tokenizer) -> tuple:
+class PlaySettings(Protocol):
+    """What playing an env's episodes takes from a service's config (`sao producer`, `sao eval`)."""
+
+    env: str
+    reward: str
+    model: str
+    temperature: float
+    max_tokens: int
+    max_turns: int
+    env_step_timeout: float
+    sandbox: SandboxConfig
+
+
+def make_parts(cfg: PlaySettings, tokenizer) -> tuple:
     """The environment (checked on one smoke task), the sampling params, and the --reward scorer
     (None without one); the env gets the settings its constructor takes."""
     offered = {"tokenizer": lambda: tokenizer, "sandbox": lambda: Sandbox(cfg.sandbox),
@@ -218,7 +231,7 @@ def make_parts(cfg: ProducerConfig, tokenizer) -> tuple:
     return env, params, score
 
 
-def env_bounds(cfg: ProducerConfig, generator: Generator) -> Bounds:
+def env_bounds(cfg: PlaySettings, generator: Generator) -> Bounds:
     """What the env's results must fit: the vocabulary and context window of the model, where the
     generator knows them (an http backend's server checks its own)."""
     context = getattr(generator, "context", None) or DEFAULT_LIMITS.max_tokens
@@ -262,15 +275,16 @@ def run(cfg: ProducerConfig, stop: threading.Event | None = None) -> None:
         ensure_topics(cfg.kafka)
         if (store := learner_store(cfg.kafka, stop)) is None:
             return
-        backend = choose_backend(cfg, store)
-        generator, model = learner_generator(cfg, backend, store)  # no version until the learner's loads
+        backend = choose_backend(cfg.backend, store)
+        # no version until the learner's loads
+        generator, model = learner_generator(backend, store, seed=cfg.seed, device=cfg.device, vllm=cfg.vllm)
         log.info("--model learner: %s's architecture from %s", model, store)
     env, params, score = make_parts(cfg, load_tokenizer(model))  # a misconfiguration fails before Kafka is asked
     ensure_topics(cfg.kafka)
     if generator is None:
         if cfg.backend == "auto":
             from producers.models import engine_folder
-            backend = choose_backend(cfg, engine_folder(cfg.model, seed=cfg.seed))
+            backend = choose_backend(cfg.backend, engine_folder(cfg.model, seed=cfg.seed))
         else:
             backend = cfg.backend
         generator = make_generator(cfg, backend)

@@ -38,6 +38,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,7 +59,8 @@ log = logging.getLogger(__name__)
 ANCHOR_ASK_EVERY_S = 10.0
 """Seconds between two anchor requests of one subscriber while the newest version stays out of reach."""
 
-__all__ = ["FollowConfig", "WeightSubscriber", "WeightsError", "learner_store", "local_path", "weights_reader"]
+__all__ = ["FollowConfig", "WeightSubscriber", "WeightsError", "learner_store", "local_path", "prune", "read_backlog",
+           "weights_reader"]
 
 
 @dataclass(kw_only=True)
@@ -94,7 +96,7 @@ def learner_store(kafka: KafkaConfig, stop: threading.Event, poll_s: float = 0.5
             msg = consumer.poll(poll_s)
             if msg is None or consumer_error(msg):
                 if time.monotonic() >= next_log:
-                    log.info("--model learner: waiting for the learner's first weights on %s", T.WEIGHTS)
+                    log.info("--model learner: waiting for the learner's first weights on %s", kafka.topic(T.WEIGHTS))
                     next_log += 30
                 continue
             try:
@@ -109,6 +111,30 @@ def learner_store(kafka: KafkaConfig, stop: threading.Event, poll_s: float = 0.5
         return None
     finally:
         consumer.close()
+
+
+def read_backlog(consumer, keep_anchors: int, decode: Callable[[object], Weights | None], stop: threading.Event,
+                 poll_s: float) -> list[Weights]:
+    """The announcements at the end of `consumer`'s one partition, back to the `keep_anchors`-th
+    newest anchor (or the beginning), read newest window first, each offset once, each message
+    through `decode` (None: skipped); the consumer is left at the end for a live loop."""
+    tp = consumer.assignment()[0]
+    low, high = retrying(lambda: consumer.get_watermark_offsets(tp, timeout=5, cached=False))
+    got, end, window = [], high, 64
+    while end > low and sum(w.base < 0 for w in got) < keep_anchors and not stop.is_set():
+        start = max(low, end - window)
+        msgs = read_ranges(consumer, tp.topic, {0: (start, end)}, stop=stop, poll_s=poll_s)
+        got = [w for msg in msgs if (w := decode(msg)) is not None] + got
+        end, window = start, 4 * window
+    consumer.assign([TopicPartition(tp.topic, 0, high)])
+    return got
+
+
+def prune(history: list[Weights], keep_anchors: int) -> list[Weights]:
+    """`history` from its `keep_anchors`-th newest anchor on: what any chain to a version worth
+    loading can start from."""
+    anchors = [i for i, x in enumerate(history) if x.base < 0]
+    return history[anchors[-keep_anchors]:] if len(anchors) > keep_anchors else history
 
 
 class WeightSubscriber:
@@ -188,33 +214,15 @@ class WeightSubscriber:
             return None
 
     def _backlog(self, consumer) -> list[Weights]:
-        """The announcements at the topic's end, back to the `keep_anchors`-th newest anchor (or
-        the beginning), read newest window first, each offset once; then the consumer is left at
-        the end for the live loop."""
-        tp = consumer.assignment()[0]
-        low, high = retrying(lambda: consumer.get_watermark_offsets(tp, timeout=5, cached=False))
-        got, end, window = [], high, 64
-        while end > low and sum(w.base < 0 for w in got) < self.keep_anchors and not self._stop.is_set():
-            start = max(low, end - window)
-            got = self._read(consumer, tp.topic, start, end) + got
-            end, window = start, 4 * window
-        consumer.assign([TopicPartition(tp.topic, 0, high)])
-        return got
-
-    def _read(self, consumer, topic: str, start: int, end: int) -> list[Weights]:
-        msgs = read_ranges(consumer, topic, {0: (start, end)}, stop=self._stop, poll_s=self.poll_s)
-        return [w for msg in msgs if (w := self._decode(msg)) is not None]
+        return read_backlog(consumer, self.keep_anchors, self._decode, self._stop, self.poll_s)
 
     def _announced(self, w: Weights) -> None:
         received = self._receive(w) if self._link is not None else False  # a member must always take its broadcast
         if not received and w.version <= self.generator.version:
             self.counts["ignored"] += 1
             log.info("weights version %d ignored: already on %d", w.version, self.generator.version)
-        self._history.append(w)
+        self._history = prune([*self._history, w], self.keep_anchors)
         self._bad.discard(w.version)  # announced again: worth another try
-        anchors = [i for i, x in enumerate(self._history) if x.base < 0]
-        if len(anchors) > self.keep_anchors:
-            self._history = self._history[anchors[-self.keep_anchors]:]
         if not received:
             self._advance()
         self.handled += 1

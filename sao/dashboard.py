@@ -14,31 +14,47 @@ from pathlib import Path
 
 from rich.table import Table
 
+from producers.evaluate.scores import headline
 from sao.supervisor import Supervisor
 from schemas import topics as T
 from schemas.kafka import KafkaConfig
 
 
-class LearnerTail:
-    """New lines of the learner's metrics.jsonl, read incrementally (the file only grows)."""
+class Tail:
+    """New lines of a JSONL file, read incrementally (the file only grows)."""
 
-    def __init__(self, path: Path, window: int = 20):
+    def __init__(self, path: Path):
         self.path, self.offset = path, 0
-        self.last: dict = {}
-        self.rewards: deque = deque(maxlen=2 * window)
-        self.window = window
 
-    def read(self) -> None:
+    def read(self) -> list[dict]:
         if not self.path.exists():
-            return
+            return []
+        new = []
         with open(self.path) as f:
             f.seek(self.offset)
             for line in f:
                 if not line.endswith("\n"):  # a line being written: read it next time
                     break
                 self.offset += len(line)
-                self.last = json.loads(line)
-                self.rewards.append(self.last.get("reward/mean", math.nan))
+                new.append(json.loads(line))
+        return new
+
+
+class LearnerTail(Tail):
+    """The learner's metrics.jsonl: its last step and the recent rewards."""
+
+    def __init__(self, path: Path, window: int = 20):
+        super().__init__(path)
+        self.last: dict = {}
+        self.rewards: deque = deque(maxlen=2 * window)
+        self.window = window
+
+    def read(self) -> list[dict]:
+        new = super().read()
+        for step in new:
+            self.last = step
+            self.rewards.append(step.get("reward/mean", math.nan))
+        return new
 
     def trend(self) -> tuple[float, float]:
         """(mean reward of the last `window` steps, change against the `window` before)."""
@@ -46,6 +62,18 @@ class LearnerTail:
         recent, before = r[-self.window:], r[:-self.window]
         mean = sum(recent) / len(recent) if recent else math.nan
         return mean, (mean - sum(before) / len(before)) if before else math.nan
+
+
+def evaluation_line(results: list[dict]) -> str:
+    """The held-out score of the newest evaluation against the first: `v20 0.62 (v0 0.41, +0.21)`."""
+    if not results:
+        return "-"
+    name, value = headline(results[-1])
+    line = f"v{results[-1]['version']} {name} {value:.3f}"
+    if len(results) > 1:
+        first = headline(results[0])[1]
+        line += f" (v{results[0]['version']} {first:.3f}, {value - first:+.3f})"
+    return line
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -64,10 +92,11 @@ def scrape(port: int) -> dict[str, float]:
 
 
 class Dashboard:
-    def __init__(self, sup: Supervisor, learner_dir: Path, producer_ports: dict[str, int], kafka: KafkaConfig,
+    def __init__(self, sup: Supervisor, run_dir: Path, producer_ports: dict[str, int], kafka: KafkaConfig,
                  steps: int):
         self.sup, self.ports, self.kafka, self.steps = sup, producer_ports, kafka, steps
-        self.learner = LearnerTail(learner_dir / "metrics.jsonl")
+        self.learner = LearnerTail(run_dir / "learner" / "metrics.jsonl")
+        self.evaluations, self._eval_tail = [], Tail(run_dir / "eval.jsonl")
         self.rates: dict[str, tuple[float, float, float]] = {}  # producer -> (t, episodes, per second)
         self.versions: dict[str, float] = {}
         self.events: deque = deque(maxlen=6)
@@ -77,6 +106,7 @@ class Dashboard:
     def update(self, events: list[str]) -> None:
         self.events.extend(f"{time.strftime('%H:%M:%S')} {e}" for e in events)
         self.learner.read()
+        self.evaluations += self._eval_tail.read()
         now = time.monotonic()
         for name, port in self.ports.items():
             m = scrape(port)
@@ -116,6 +146,7 @@ class Dashboard:
         t.add_row("explained variance", f("value/explained_var"))
         t.add_row("staleness p50 / p99", f"{f('stale/p50', '.1f')} / {f('stale/p99', '.1f')} versions")
         t.add_row("learner", f"{f('perf/tokens_per_s', '.0f')} tok/s, consumer lag {f('kafka/lag', 'd')}")
+        t.add_row("held-out (sao eval)", evaluation_line(self.evaluations))
         t.add_row("dead letters", str(self.dlq))
         for name, (_, _, rate) in sorted(self.rates.items()):
             t.add_row(f"{name} (producer)", f"{rate:.2f} traj/s, weights v{self.versions.get(name, math.nan):.0f}")
@@ -132,4 +163,4 @@ class Dashboard:
         states = " ".join(f"{c.name}={c.state}" + (f"+{c.restarts}" if c.restarts else "")
                           for c in self.sup.children.values())
         return (f"step {m.get('step/index', -1) + 1}/{self.steps} v{m.get('weights/version', 0)} "
-                f"reward {mean:+.3f} dlq {self.dlq} {states}")
+                f"reward {mean:+.3f} eval {evaluation_line(self.evaluations)} dlq {self.dlq} {states}")

@@ -1,11 +1,12 @@
 """`sao report RUN_DIR`: the end-of-run report of `sao up`, from what the run left on disk.
 
 Writes `RUN_DIR/report.png` (reward, critic explained variance overall and by third of the
-response, DIS kept fraction, staleness, learner throughput, consumer lag, one panel each, against
-the learner step) and `RUN_DIR/summary.txt`
-(steps, wall time, first and last reward and the rise between the first and last five steps,
-trajectories trained, stale drops, staleness, dead letters, each process's fate
-from `RUN_DIR/processes.json` when `sao up` wrote one), and prints the summary.
+response, DIS kept fraction, staleness, learner throughput, consumer lag, and the held-out score of
+every evaluated version from `RUN_DIR/eval.jsonl`, one panel each, against the learner step) and
+`RUN_DIR/summary.txt` (steps, wall time, first and last reward and the rise between the first and
+last five steps, trajectories trained, stale drops, staleness, dead letters, the held-out score of
+the first and last version evaluated, each process's fate from `RUN_DIR/processes.json` when
+`sao up` wrote one), and prints the summary.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import tyro
+
+from producers.evaluate.scores import headline
 
 PANELS = [("reward/mean", "mean reward"), ("value/explained_var", "critic explained variance"),
           ("dis/kept_frac", "DIS kept fraction"), ("stale/p99", "staleness p99 (versions)"),
@@ -33,6 +36,23 @@ class ReportConfig:
 def load_steps(run_dir: Path) -> list[dict]:
     path = run_dir / "learner" / "metrics.jsonl"
     return [json.loads(x) for x in path.read_text().splitlines() if x.endswith("}")] if path.exists() else []
+
+
+def load_evaluations(run_dir: Path) -> list[dict]:
+    """The evaluator's results (`sao eval --out RUN_DIR/eval.jsonl`), in the order measured."""
+    path = run_dir / "eval.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines() if x.endswith("}")] if path.exists() else []
+
+
+def evaluation_summary(results: list[dict]) -> list[str]:
+    """The held-out score of the first and the last version evaluated, and the change."""
+    if not results:
+        return []
+    first, last = results[0], results[-1]
+    name, before = headline(first)
+    after = headline(last)[1]
+    return [f"held-out {name} (sao eval, {len(results)} versions): v{first['version']} {before:.3f} -> "
+            f"v{last['version']} {after:.3f} ({after - before:+.3f})"]
 
 
 def _mean(xs: list[float]) -> float:
@@ -58,6 +78,7 @@ def summary(run_dir: Path, steps: list[dict], window: int) -> str:
                   f"staleness p99, highest over the steps: {max(s.get('stale/p99', 0) for s in steps):.0f}",
                   f"dropped as stale: {steps[-1].get('count/stale', 0)}",
                   f"dead letters counted by the learner: {steps[-1].get('count/dlq', 0)}"]
+    lines += evaluation_summary(load_evaluations(run_dir))
     meta = run_dir / "processes.json"
     if meta.exists():
         info = json.loads(meta.read_text())
@@ -73,7 +94,7 @@ def plot(run_dir: Path, steps: list[dict], window: int) -> Path:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
+    fig, axes = plt.subplots(2, 4, figsize=(17, 6.5))
     x = [s["step/index"] for s in steps]
     for ax, (key, title) in zip(axes.flat, PANELS):
         y = [s.get(key, math.nan) for s in steps]
@@ -89,12 +110,28 @@ def plot(run_dir: Path, steps: list[dict], window: int) -> Path:
             ax.legend(fontsize=8)
         ax.set_title(title)
         ax.set_xlabel("learner step")
+    evaluation_panel(axes.flat[len(PANELS)], load_evaluations(run_dir))
+    for ax in axes.flat[len(PANELS) + 1:]:
+        ax.axis("off")
     fig.suptitle(str(run_dir))
     fig.tight_layout()
     path = run_dir / "report.png"
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+def evaluation_panel(ax, results: list[dict]) -> None:
+    """Every evaluated version's held-out figures against the learner step that made it."""
+    x = [r["step"] for r in results]
+    names = [n for n in ("greedy/mean", "greedy/pass@1") if results and n in results[0]]
+    names += sorted(n for n in (results[0] if results else {}) if n.startswith(("sampled/mean@", "sampled/pass@")))
+    for name in names:
+        ax.plot(x, [r.get(name, math.nan) for r in results], marker="o", lw=1, label=name)
+    if names:
+        ax.legend(fontsize=7)
+    ax.set_title("held-out score (sao eval)")
+    ax.set_xlabel("learner step")
 
 
 def write(run_dir: Path, window: int = 10) -> str:

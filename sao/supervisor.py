@@ -73,9 +73,10 @@ class Supervisor:
             c.events.append(events[-1])
         return events
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM every live child, then SIGKILL what has not exited within `timeout`."""
-        live = [c for c in self.children.values() if c.proc and c.proc.poll() is None]
+    def stop(self, names: list[str] | None = None, timeout: float = 30.0) -> None:
+        """SIGTERM every live child (of `names`, default all), then SIGKILL what has not exited
+        within `timeout`."""
+        live = [c for c in self.children.values() if c.proc and c.proc.poll() is None and (names is None or c.name in names)]
         for c in live:
             c.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout

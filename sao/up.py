@@ -64,6 +64,20 @@ class UpConfig:
     reward joiner, for environments without a reward of their own (`writing`). Empty: none."""
     learner_threads: int = 2
     """Torch threads of the learner (every other process gets one)."""
+    eval_every: int = 5
+    """Score the policy on held-out tasks every this many versions, and the first and last, with
+    `sao eval` on an engine of its own (0: no evaluation)."""
+    eval_tasks: int = 16
+    """Held-out tasks each evaluation plays (`sao eval --tasks`)."""
+    eval_samples: int = 4
+    """Sampled episodes per held-out task besides the greedy one (`sao eval --samples`)."""
+    heldout_frac: float = 0.1
+    """Share of the env's tasks held out of training for evaluation (the feeder's and the
+    evaluator's `--heldout-frac`)."""
+    eval_flags: str = ""
+    """Extra `sao eval` flags, space separated."""
+    final_eval_s: float = 300.0
+    """Seconds the evaluator gets, once the learner is done, to score the last version."""
     max_restarts: int = 3
     """Restarts of one crashed child before `sao up` gives up."""
     dashboard: bool = True
@@ -88,13 +102,14 @@ def backend_line(backend: str) -> str:
 
 
 def commands(cfg: UpConfig, ports: dict[str, int]) -> dict[str, list[str]]:
+    """Each child's command line; `ports` names a Prometheus port for each producer and the evaluator."""
     kafka = ["--kafka.bootstrap", cfg.kafka.bootstrap, "--kafka.topic-prefix", cfg.kafka.topic_prefix]
     lag = ["--max-lag", str(round(cfg.max_lag_steps * cfg.batch_trajectories))]
     cmds = {"learner": _sao("learner", "--run-dir", str(cfg.run_dir / "learner"),
                             "--weights-dir", str(cfg.run_dir / "weights"), "--model.name", cfg.model,
                             "--batch-trajectories", str(cfg.batch_trajectories), "--max-steps", str(cfg.steps),
                             *cfg.learner_flags.split(), *kafka)}
-    for name, port in ports.items():
+    for name, port in ((n, p) for n, p in ports.items() if n.startswith("producer-")):
         # `--model learner`: the producers build the learner's published architecture and load its weights
         cmds[name] = _sao("producer", "--backend", cfg.producer_backend, "--env", cfg.env, "--model", "learner", "--producer-id", name,
                           "--max-tokens", str(cfg.max_tokens), "--metrics-port", str(port), "--log-every-s", "10",
@@ -102,8 +117,15 @@ def commands(cfg: UpConfig, ports: dict[str, int]) -> dict[str, list[str]]:
     if cfg.judge:  # live rewards: pending trajectories -> judge -> sao.rewards -> joiner -> learner
         cmds["judge"] = _sao("judge", "--model", cfg.model, "--criteria", cfg.judge, "--log-every-s", "10", *kafka)
         cmds["reward-join"] = _sao("reward-join", "--data-dir", str(cfg.run_dir / "joiner"), *kafka)
+    if cfg.eval_every:  # its own engine, following sao.weights like a producer; the judge's style as its reward
+        reward = ["--reward", f"consumers.style_rewards:{cfg.judge}"] if cfg.judge else []
+        cmds["eval"] = _sao("eval", "--env", cfg.env, "--every", str(cfg.eval_every), "--tasks", str(cfg.eval_tasks),
+                            "--samples", str(cfg.eval_samples), "--heldout-frac", str(cfg.heldout_frac),
+                            "--backend", cfg.producer_backend, "--max-tokens", str(cfg.max_tokens),
+                            "--out", str(cfg.run_dir / "eval.jsonl"), "--evaluator-id", "eval",
+                            "--metrics-port", str(ports["eval"]), *reward, *cfg.eval_flags.split(), *kafka)
     cmds["feeder"] = _sao("feed", "--env", cfg.env, "--max-unfinished", str(4 * cfg.batch_trajectories),
-                          "--group-size", str(cfg.group_size), *lag, *kafka)
+                          "--group-size", str(cfg.group_size), "--heldout-frac", str(cfg.heldout_frac), *lag, *kafka)
     return cmds
 
 
@@ -134,8 +156,17 @@ def supervise(cfg: UpConfig, sup: Supervisor, dash: Dashboard, stop) -> str | No
     return None
 
 
-RUN_STATE = ("learner", "weights", "joiner", "logs", "processes.json", "report.png", "summary.txt")
+RUN_STATE = ("learner", "weights", "joiner", "logs", "processes.json", "report.png", "summary.txt", "eval.jsonl")
 """What one run leaves in its run dir."""
+
+
+def last_evaluation(cfg: UpConfig, sup: Supervisor, dash: Dashboard) -> None:
+    """The learner is done: stop the rest, then let the evaluator score the last version (it does
+    on SIGTERM) within `--final-eval-s`, its cores no longer shared with rollouts."""
+    sup.stop([name for name in sup.children if name != "eval"])
+    print(f"learner done: the evaluator scores the last version (up to {cfg.final_eval_s:.0f} s)", flush=True)
+    sup.stop(["eval"], timeout=cfg.final_eval_s)
+    dash.update([])
 
 
 def start_afresh(run_dir: Path) -> None:
@@ -151,13 +182,14 @@ def start_afresh(run_dir: Path) -> None:
 def run_up(cfg: UpConfig) -> None:
     ensure_topics(cfg.kafka)
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    ports = {f"producer-{i}": free_port() for i in range(cfg.producers)}
+    ports = {f"producer-{i}": free_port() for i in range(cfg.producers)} | {"eval": free_port()}
     # one thread per process unless told otherwise: N processes each taking every core thrash
     env = {"OMP_NUM_THREADS": "1", **os.environ, "SAO_LOG_LEVEL": os.environ.get("SAO_LOG_LEVEL", "INFO"),
            "PYTHONUNBUFFERED": "1"}
     sup = Supervisor(commands(cfg, ports), cfg.run_dir / "logs", env, cfg.max_restarts,
                      {"learner": {"OMP_NUM_THREADS": str(cfg.learner_threads)}})
-    dash = Dashboard(sup, cfg.run_dir / "learner", ports, cfg.kafka, cfg.steps)
+    dash = Dashboard(sup, cfg.run_dir, {n: p for n, p in ports.items() if n.startswith("producer-")}, cfg.kafka,
+                     cfg.steps)
     stop = stop_on_signals()
     t0 = time.monotonic()
     failure = None
@@ -166,6 +198,8 @@ def run_up(cfg: UpConfig) -> None:
         print(" ".join(f"{c.name}={c.pid}" for c in sup.children.values()), flush=True)
         print(f"producers: {backend_line(cfg.producer_backend)}", flush=True)
         failure = supervise(cfg, sup, dash, stop)
+        if failure is None and not stop.is_set() and "eval" in sup.children:
+            last_evaluation(cfg, sup, dash)
     finally:
         sup.stop()
         dash.close()

@@ -102,6 +102,15 @@ def mapping(m: dict, name: str, limits: Limits) -> dict:
     return v
 
 
+def number_map(m: dict, name: str, limits: Limits) -> dict[str, float]:
+    """A map of str to finite numbers (a result's named figures)."""
+    v = mapping(m, name, limits)
+    for key, x in v.items():
+        if not isinstance(x, (int, float)) or isinstance(x, bool) or not math.isfinite(x):
+            raise SchemaError(f"{name}.{key}", f"expected a finite number, got {x!r:.40}")
+    return {k: float(x) for k, x in v.items()}
+
+
 def binary(m: dict, name: str, limits: Limits) -> bytes:
     return typed(m, name, bytes, "bytes")
 

@@ -17,12 +17,12 @@ import msgpack
 import numpy as np
 
 from schemas.fields import (DEFAULT_LIMITS, TOKEN_ARRAYS, Limits, SchemaError, as_le, binary, integer, mapping,
-                            number, optional_integer, required, string, token_array, turn_rewards_field)
+                            number, number_map, optional_integer, required, string, token_array, turn_rewards_field)
 
 SCHEMA_VERSION = 2  # 2: typed per-turn rewards and sampling settings on trajectories
 
 __all__ = ["DEFAULT_LIMITS", "TOKEN_ARRAYS", "Limits", "SchemaError", "SCHEMA_VERSION", "Prompt", "Trajectory",
-           "Reward", "Weights", "DeadLetter", "AnchorRequest", "KINDS", "Message", "decode"]
+           "Reward", "Weights", "DeadLetter", "AnchorRequest", "Evaluation", "KINDS", "Message", "decode"]
 
 
 def _now() -> float:
@@ -354,10 +354,53 @@ class DeadLetter(_Message):
                    created_at=number(m, "created_at"))
 
 
+@dataclass(kw_only=True, eq=False)
+class Evaluation(_Message):
+    """The score of one weight version on one environment's evaluation tasks (`sao eval`): every
+    episode behind it was sampled by exactly `version`, so a score belongs to one policy."""
+
+    kind: ClassVar[str] = "evaluation"
+    version: int
+    step: int
+    """The learner step that produced `version` (its announcement's)."""
+    env: str
+    suite: str
+    """The evaluation's name (`sao eval --name`): one task set and one set of settings."""
+    split: str
+    """heldout: tasks the feeder never trains on; all: any task, which training may see too."""
+    num_tasks: int
+    samples: int
+    """Sampled episodes per task (k); 0: greedy only."""
+    metrics: dict[str, float]
+    """Named figures: `greedy/mean`, `sampled/pass@k`, ... (producers/evaluate/scores.py)."""
+    evaluator: str = ""
+    seconds: float = 0.0
+    """Wall time of the evaluation, loading the version included."""
+    created_at: float = field(default_factory=_now)
+
+    @property
+    def key(self) -> bytes:
+        return f"{self.suite}/{self.env}/{self.version}".encode()
+
+    def _fields(self) -> dict:
+        return {"version": self.version, "step": self.step, "env": self.env, "suite": self.suite,
+                "split": self.split, "num_tasks": self.num_tasks, "samples": self.samples,
+                "metrics": {k: float(x) for k, x in self.metrics.items()}, "evaluator": self.evaluator,
+                "seconds": float(self.seconds), "created_at": float(self.created_at)}
+
+    @classmethod
+    def _from_map(cls, m: dict, limits: Limits) -> Evaluation:
+        return cls(version=integer(m, "version", lo=0), step=integer(m, "step", lo=0), env=string(m, "env", limits),
+                   suite=string(m, "suite", limits), split=string(m, "split", limits),
+                   num_tasks=integer(m, "num_tasks", lo=1), samples=integer(m, "samples", lo=0),
+                   metrics=number_map(m, "metrics", limits), evaluator=string(m, "evaluator", limits),
+                   seconds=number(m, "seconds"), created_at=number(m, "created_at"))
+
+
 KINDS: dict[str, type[_Message]] = {c.kind: c for c in (Prompt, Trajectory, Reward, Weights, DeadLetter,
-                                                        AnchorRequest)}
+                                                        AnchorRequest, Evaluation)}
 _FIELD_NAMES = {c: {"v", "kind", *(f.name for f in dataclasses.fields(c))} for c in KINDS.values()}
-Message = Prompt | Trajectory | Reward | Weights | DeadLetter | AnchorRequest
+Message = Prompt | Trajectory | Reward | Weights | DeadLetter | AnchorRequest | Evaluation
 
 
 def decode(data: bytes, limits: Limits = DEFAULT_LIMITS) -> Message:

@@ -32,8 +32,10 @@ WEIGHTS = Topic("weights", 1, {"retention.ms": str(7 * 24 * 3600 * 1000), **_BIG
 DLQ = Topic("dlq", 1, _BIG)
 # Producers that cannot reach the newest version ask the learner for an anchor; old asks expire.
 WEIGHT_REQUESTS = Topic("weights.requests", 1, {"retention.ms": str(24 * 3600 * 1000)})
+# One partition: the scores of a run in the order they were measured; kept as long as the weights.
+EVALUATIONS = Topic("evaluations", 1, {"retention.ms": str(7 * 24 * 3600 * 1000)})
 
-ALL = (PROMPTS, TRAJECTORIES, PENDING, REWARDS, WEIGHTS, DLQ, WEIGHT_REQUESTS)
+ALL = (PROMPTS, TRAJECTORIES, PENDING, REWARDS, WEIGHTS, DLQ, WEIGHT_REQUESTS, EVALUATIONS)
 
 
 def replication(brokers: int) -> tuple[int, int]:

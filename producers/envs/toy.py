@@ -55,6 +55,7 @@ class TargetEnv:
     vocab_size: int = 64
     n_tasks: int = 4
     name: str = "toy-target"
+    heldout = False  # n_tasks tasks: too few to set any aside from training (producers/heldout.py)
 
     def __post_init__(self):
         _check(self.vocab_size, self.n_tasks)

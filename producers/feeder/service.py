@@ -48,6 +48,7 @@ from confluent_kafka import TopicPartition
 from schemas.boundary import Bounds, call_sync
 from producers.feeder.datasets import dataset_prompts, load_rows
 from producers.envs import env_factory, make_env
+from producers.heldout import MAX_DRAWS_PER_TASK, held_out, split_frac
 from schemas.retry import retrying
 from schemas import topics as T
 from schemas.config import ConfigError
@@ -96,6 +97,10 @@ class FeedConfig:
     content hash and shuffling seed)."""
     from_start: bool = False
     """Publish a dataset feed from its first row again instead of resuming at its saved position."""
+    heldout_frac: float = 0.0
+    """Share of all tasks held out for `sao eval`, by content (producers/heldout.py): never
+    published here, from the env's generator or from --dataset. Give the evaluator the same
+    (`sao up` does); 0: train on every task."""
     kafka: KafkaConfig = field(default_factory=KafkaConfig)
 
     def __post_init__(self):
@@ -105,6 +110,8 @@ class FeedConfig:
         for name in ("max_unfinished", "epochs", "group_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.heldout_frac < 1:
+            raise ConfigError(f"--heldout-frac must be in [0, 1) (1 would hold out every task), got {self.heldout_frac}")
         if self.max_lag < 0:
             raise ConfigError(f"--max-lag must be >= 0 (0: no bound), got {self.max_lag}")
         if self.max_unfinished < self.group_size:
@@ -115,21 +122,30 @@ class FeedConfig:
         if self.dataset and not self.feed_id:
             with open(self.dataset, "rb") as f:
                 digest = hashlib.file_digest(f, "sha256").hexdigest()[:12]
-            self.feed_id = f"{Path(self.dataset).stem}-{digest}-{f'seed{self.seed}' if self.shuffle else 'ordered'}"
+            self.feed_id = (f"{Path(self.dataset).stem}-{digest}-{f'seed{self.seed}' if self.shuffle else 'ordered'}"
+                            + (f"-heldout{self.heldout_frac:g}" if self.heldout_frac else ""))  # other rows, other positions
         if not re.fullmatch(r"[A-Za-z0-9._-]{0,200}", self.feed_id):
             raise ConfigError(f"--feed-id {self.feed_id!r}: use at most 200 of A-Z a-z 0-9 . _ -")
 
 
-def prompts_from_env(env_name: str, seed: int, errors: list[str], timeout_s: float = 120.0) -> Iterator[Prompt]:
-    """Prompts of the env's own tasks. `sample_task` is a plug-in call (schemas/boundary.py): a
-    task it fails to make, or one that cannot travel as a prompt, is skipped and counted in
-    `errors`; MAX_BAD_TASKS failures in a row mean it never will, and stop the feed."""
+def prompts_from_env(env_name: str, seed: int, errors: list[str], timeout_s: float = 120.0,
+                     heldout_frac: float = 0.0) -> Iterator[Prompt]:
+    """Prompts of the env's own tasks but the held-out ones. `sample_task` is a plug-in call
+    (schemas/boundary.py): a task it fails to make, or one that cannot travel as a prompt, is
+    skipped and counted in `errors`; MAX_BAD_TASKS failures in a row mean it never will, and stop
+    the feed, as do MAX_DRAWS_PER_TASK held-out tasks in a row."""
     env, rng = make_env(env_name), random.Random(seed)
-    bounds, failures = Bounds(plugin=f"env {env_name}", timeout_s=timeout_s), 0
+    bounds, failures, held = Bounds(plugin=f"env {env_name}", timeout_s=timeout_s), 0, 0
+    frac = split_frac(env, heldout_frac)
     while True:
         try:
-            prompt = Prompt(id=f"{env_name}-{uuid.uuid4().hex}", env=env_name,
-                            task=call_sync(bounds, "env.sample_task", env.sample_task, rng))
+            task = call_sync(bounds, "env.sample_task", env.sample_task, rng)
+            if held_out(task, frac):
+                if (held := held + 1) >= MAX_DRAWS_PER_TASK:
+                    raise ConfigError(f"--heldout-frac {frac}: the last {held} tasks of {env_name} were all held out")
+                continue
+            held = 0
+            prompt = Prompt(id=f"{env_name}-{uuid.uuid4().hex}", env=env_name, task=task)
             Prompt.decode(prompt.encode())  # the task must be a map the codec carries
         except (SchemaError, TypeError, ValueError, OverflowError) as e:  # msgpack: types it cannot encode
             errors.append(f"task: {e}")
@@ -203,11 +219,23 @@ def groups(cfg: FeedConfig, errors: list[str], start: int = 0,
     position `start` on and without the (position, sample) pairs already `published` (a group
     published whole comes out empty, so positions stay consecutive)."""
     if cfg.dataset:
-        tasks = dataset_prompts(load_rows(Path(cfg.dataset), cfg.env, errors), cfg.epochs, cfg.seed, cfg.shuffle)
+        tasks = dataset_prompts(training_rows(cfg, errors), cfg.epochs, cfg.seed, cfg.shuffle)
     else:
-        tasks = prompts_from_env(cfg.env, cfg.seed, errors)
+        tasks = prompts_from_env(cfg.env, cfg.seed, errors, heldout_frac=cfg.heldout_frac)
     for position, prompt in itertools.islice(enumerate(tasks), start, None):
         yield position, [p for p in fan_out(prompt, cfg.group_size) if (position, p.sample) not in published]
+
+
+def training_rows(cfg: FeedConfig, errors: list[str]) -> list[Prompt]:
+    """The dataset's rows but the held-out ones."""
+    rows, frac = load_rows(Path(cfg.dataset), cfg.env, errors), split_frac(make_env(cfg.env), cfg.heldout_frac)
+    kept = [r for r in rows if not held_out(r.task, frac)]
+    if cfg.heldout_frac:
+        log.info("--heldout-frac %g: %d of %d rows held out for evaluation", cfg.heldout_frac, len(rows) - len(kept),
+                 len(rows))
+    if not kept:
+        raise ConfigError(f"--dataset {cfg.dataset}: every row is held out at --heldout-frac {cfg.heldout_frac}")
+    return kept
 
 
 def take(source: Iterator[tuple[int, list[Prompt]]], n: int) -> list[tuple[int, list[Prompt]]]:

@@ -50,6 +50,9 @@ class SamplingParams:
     """Generation ends after emitting any of these (it is kept in the output)."""
     seed: int | None = None
     """Per-call sampling seed, for reproducible tests."""
+    greedy: bool = False
+    """Take the most likely token at every step (evaluation, `sao eval`): nothing is sampled, so
+    such an episode is never trained on and its log-probs are not a sampling distribution's."""
 
     def __post_init__(self):
         t = self.temperature
@@ -67,6 +70,8 @@ class SamplingParams:
             raise ValueError("stop_token_ids: must be token ids (integers >= 0)")
         if self.seed is not None and not (_integer(self.seed) and 0 <= self.seed <= MAX_SEED):
             raise ValueError(f"seed: must be an integer in [0, 2**63 - 1], got {self.seed!r}")
+        if not isinstance(self.greedy, bool):
+            raise ValueError(f"greedy: must be true or false, got {self.greedy!r}")
 
 
 NEUTRAL_SAMPLING = {"min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
@@ -79,7 +84,7 @@ def exact_sampling(params: SamplingParams) -> dict:
     """vLLM's sampling settings for an exact-log-prob RL request: the same names in its
     completions API (the http backend, `vllm serve`) and its `SamplingParams` (the in-process
     backend), so the one rule serves both."""
-    kw = {"temperature": params.temperature, "top_p": params.top_p,
+    kw = {"temperature": 0.0 if params.greedy else params.temperature, "top_p": params.top_p,  # 0: vLLM's greedy
           "top_k": params.top_k if params.top_k > 0 else -1,  # vLLM's off is -1, ours 0
           **NEUTRAL_SAMPLING, "max_tokens": params.max_tokens, "logprobs": 0,
           "stop_token_ids": list(params.stop_token_ids), "skip_special_tokens": False}

@@ -53,10 +53,11 @@ def truncate(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
 
 def sample_token(logits: torch.Tensor, params: SamplingParams,
                  rng: torch.Generator) -> tuple[int, float]:
-    """a ~ softmax(truncate(logits / T)); returns a and log_softmax(truncate(logits / T))[a]."""
+    """a ~ softmax(truncate(logits / T)), or its most likely token when `params.greedy`; returns a
+    and log_softmax(truncate(logits / T))[a]."""
     logp = torch.log_softmax(truncate(logits.float() / params.temperature, params.top_k,
                                       params.top_p), dim=-1)
-    token = int(torch.multinomial(logp.exp(), 1, generator=rng))
+    token = int(logp.argmax()) if params.greedy else int(torch.multinomial(logp.exp(), 1, generator=rng))
     return token, float(logp[token])
 
 

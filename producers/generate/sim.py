@@ -85,7 +85,7 @@ class SimGenerator:
         rng = self._rng if params.seed is None else np.random.default_rng(params.seed)
         n = output_length(rng, self.cfg, params.max_tokens)
         logp = sim_logprobs(self.cfg.vocab_size, params.temperature, params.stop_token_ids)
-        tokens = rng.choice(self.cfg.vocab_size, size=n, p=np.exp(logp))
+        tokens = np.full(n, logp.argmax()) if params.greedy else rng.choice(self.cfg.vocab_size, size=n, p=np.exp(logp))
         start = time.monotonic()
         await asyncio.sleep(n * self.cfg.token_s)
         versions = [self._version_at(start + (i + 1) * self.cfg.token_s) for i in range(n)]

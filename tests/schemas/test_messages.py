@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from schemas.messages import (
-    SCHEMA_VERSION, TOKEN_ARRAYS, AnchorRequest, DeadLetter, Limits, Prompt, Reward, SchemaError, Trajectory, Weights, decode)
+    SCHEMA_VERSION, TOKEN_ARRAYS, AnchorRequest, DeadLetter, Evaluation, Limits, Prompt, Reward, SchemaError, Trajectory, Weights, decode)
 
 text = st.text(max_size=40)
 finite = st.floats(allow_nan=False, allow_infinity=False, width=64)
@@ -56,6 +56,9 @@ messages = st.one_of(
               offset=st.integers(-1, 2**62), error=text, payload=st.binary(max_size=200), created_at=finite),
     st.builds(AnchorRequest, requester=text, held_version=st.integers(-1, 2**40), wanted_version=st.integers(0, 2**40),
               reason=text, created_at=finite),
+    st.builds(Evaluation, version=st.integers(0, 2**40), step=st.integers(0, 2**40), env=text, suite=text, split=text,
+              num_tasks=st.integers(1, 10**6), samples=st.integers(0, 64),
+              metrics=st.dictionaries(text, finite, max_size=8), evaluator=text, seconds=finite, created_at=finite),
 )
 
 
@@ -320,3 +323,19 @@ def test_a_prompt_sample_outside_its_group_names_sample():
 def test_prompt_ids_name_the_group_and_the_trajectory():
     p = Prompt(id="row-7", env="toy", attempt=2, sample=5, group_size=8)
     assert (p.group, p.trajectory_id) == ("row-7#2", "row-7#2.5")
+
+
+@pytest.mark.parametrize("metrics", [{"greedy/mean": float("nan")}, {"greedy/mean": "high"}, {"x": True}])
+def test_an_evaluation_figure_that_is_not_a_finite_number_names_it(metrics):
+    body = {"v": SCHEMA_VERSION, "kind": "evaluation", "version": 3, "step": 3, "env": "math", "suite": "heldout",
+            "split": "heldout", "num_tasks": 4, "samples": 0, "metrics": metrics, "evaluator": "e",
+            "seconds": 1.0, "created_at": 0.0}
+    with pytest.raises(SchemaError, match=f"metrics.{next(iter(metrics))}"):
+        decode(msgpack.packb(body, use_bin_type=True))
+
+
+def test_an_evaluation_is_keyed_by_suite_env_and_version():
+    e = Evaluation(version=7, step=9, env="math", suite="heldout", split="heldout", num_tasks=2, samples=4,
+                   metrics={"sampled/pass@4": 0.5})
+    assert e.key == b"heldout/math/7"
+    assert Evaluation.decode(e.encode()).metrics == {"sampled/pass@4": 0.5}
