@@ -31,6 +31,10 @@ CASES = [
     (["serve", "--model", "no-such-model"], "--model"),
     (["feed", "--group-size", "0"], "--group-size"),
     (["feed", "--env", "no-such-env"], "--env"),
+    (["feed", "--env", "math", "--heldout-frac", "1"], "--heldout-frac"),
+    (["eval", "--every", "0"], "--every"),
+    (["eval", "--env", "no-such-env"], "--env"),
+    (["eval", "--temperature", "0"], "--temperature"),
 ]
 
 

@@ -1,5 +1,6 @@
 """`sao up` on the tiny model: every process starts, a producer SIGKILLed mid-run is reported and
-restarted, weights reach version 5, the report is a real PNG, and SIGTERM leaves no child behind."""
+restarted, weights reach version 5, the report is a real PNG, and SIGTERM leaves no child behind;
+a run that ends has its first and last versions scored on held-out tasks."""
 
 from __future__ import annotations
 
@@ -36,9 +37,9 @@ def test_up_restarts_a_killed_producer_reports_and_stops_every_child(kafka_cfg, 
            "--learner-flags=--update.warmup-steps 1 --update.lr-policy 3e-3 --update.lr-critic 3e-3"]
     up = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        first = up.stdout.readline()  # "learner=PID producer-0=PID producer-1=PID feeder=PID"
+        first = up.stdout.readline()  # "learner=PID producer-0=PID producer-1=PID eval=PID feeder=PID"
         pids = dict(x.split("=") for x in first.split())
-        assert set(pids) == {"learner", "producer-0", "producer-1", "feeder"}, first
+        assert set(pids) == {"learner", "producer-0", "producer-1", "eval", "feeder"}, first
         pids = {k: int(v) for k, v in pids.items()}
         assert all(_alive(p) for p in pids.values())
         metrics = tmp_path / "learner" / "metrics.jsonl"
@@ -57,10 +58,10 @@ def test_up_restarts_a_killed_producer_reports_and_stops_every_child(kafka_cfg, 
         assert version() >= 5
         restarted = time.monotonic() + 60  # the supervisor notices on its next look, not at once
         # reaping the old child and forking the new one are two moments: a look between them sees 3
-        while (pids["producer-0"] in (children := _children(up.pid)) or len(children) < 4) \
+        while (pids["producer-0"] in (children := _children(up.pid)) or len(children) < 5) \
                 and time.monotonic() < restarted:
             time.sleep(0.5)
-        assert pids["producer-0"] not in children and len(children) == 4, children  # restarted: a new pid
+        assert pids["producer-0"] not in children and len(children) == 5, children  # restarted: a new pid
     finally:
         up.send_signal(signal.SIGTERM)
         out, _ = up.communicate(timeout=120)
@@ -75,6 +76,24 @@ def test_up_restarts_a_killed_producer_reports_and_stops_every_child(kafka_cfg, 
     assert report.returncode == 0 and "learner steps:" in report.stdout, report.stderr
 
 
+def test_a_run_that_ends_scores_its_first_and_last_versions_on_held_out_tasks(kafka_cfg, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SAO_LOG_LEVEL": "WARNING",
+           "SAO_KAFKA_BOOTSTRAP": kafka_cfg.bootstrap, "SAO_KAFKA_TOPIC_PREFIX": kafka_cfg.topic_prefix}
+    cmd = [sys.executable, "-m", "sao", "up", "--steps", "8", "--producers", "1", "--env", "toy-multiturn",
+           "--model", "tiny-llama", "--batch-trajectories", "4", "--max-tokens", "4", "--run-dir", str(tmp_path),
+           "--eval-every", "4", "--eval-tasks", "3", "--eval-samples", "2", "--heldout-frac", "0.2",
+           "--learner-flags=--update.warmup-steps 1 --update.lr-policy 3e-3 --update.lr-critic 3e-3"]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    steps = [json.loads(x) for x in (tmp_path / "learner" / "metrics.jsonl").read_text().splitlines()]
+    scored = [json.loads(x) for x in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    assert scored[0]["version"] == 0 and scored[-1]["version"] == steps[-1]["weights/version"] == 7, scored
+    assert {s["split"] for s in scored} == {"heldout"} and {"greedy/mean", "sampled/pass@2"} <= set(scored[0])
+    summary = (tmp_path / "summary.txt").read_text()
+    assert f"held-out greedy/mean (sao eval, {len(scored)} versions): v0" in summary, summary
+    assert "process eval: stopped, 0 restart(s)" in summary, summary
+
+
 def test_a_new_run_on_its_own_broker_removes_the_earlier_runs_state_and_nothing_else(tmp_path):
     """A second `make run` must not resume the first: its checkpoints name offsets of a broker
     that is gone, and its metrics would be read as the new run's."""
@@ -86,5 +105,5 @@ def test_a_new_run_on_its_own_broker_removes_the_earlier_runs_state_and_nothing_
     (tmp_path / "notes.md").write_text("mine")  # not a run's: kept
     start_afresh(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.md"]
-    assert {"learner", "weights", "joiner", "logs", "summary.txt", "report.png"} <= set(RUN_STATE)
+    assert {"learner", "weights", "joiner", "logs", "summary.txt", "report.png", "eval.jsonl"} <= set(RUN_STATE)
     start_afresh(tmp_path / "absent")  # a first run: nothing to remove

@@ -1,0 +1,87 @@
+"""The evaluation's figures and its choice of versions: pure functions, hand-computed cases and properties."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from producers.evaluate.scores import episode_scores, greedy_scores, headline, pass_at_k, sampled_scores
+from producers.evaluate.versions import due, final
+from schemas.messages import Trajectory
+
+
+def test_pass_at_k_by_hand():
+    assert pass_at_k(4, 1, 2) == pytest.approx(1 - 3 / 6)  # 1 - C(3,2)/C(4,2)
+    assert pass_at_k(5, 0, 3) == 0.0
+    assert pass_at_k(5, 3, 3) == 1.0  # two failures cannot fill three draws
+    assert pass_at_k(10, 3, 1) == pytest.approx(0.3)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 9).flatmap(lambda n: st.tuples(st.just(n), st.integers(0, n), st.integers(1, n))))
+def test_pass_at_k_is_the_share_of_k_subsets_holding_a_success(nck):
+    n, c, k = nck
+    samples = [1] * c + [0] * (n - c)
+    subsets = list(itertools.combinations(range(n), k))
+    assert pass_at_k(n, c, k) == pytest.approx(sum(any(samples[i] for i in s) for s in subsets) / len(subsets))
+
+
+def test_pass_at_k_refuses_impossible_counts():
+    with pytest.raises(ValueError):
+        pass_at_k(3, 4, 1)
+
+
+def test_greedy_and_sampled_figures_by_hand():
+    assert greedy_scores([1.0, 0.0, 0.5, 1.0], success=1.0) == {"greedy/mean": 0.625, "greedy/pass@1": 0.5}
+    got = sampled_scores([[1.0, 0.0], [0.0, 0.0], [0.5, 1.0]], success=1.0)
+    assert got["sampled/mean@2"] == pytest.approx(2.5 / 6)
+    assert got["sampled/pass@1"] == pytest.approx((0.5 + 0 + 0.5) / 3)
+    assert got["sampled/pass@2"] == pytest.approx(2 / 3)
+    assert got["sampled/best@2"] == pytest.approx((1 + 0 + 1) / 3)
+    assert headline(got) == ("sampled/mean@2", got["sampled/mean@2"])
+    assert headline({"greedy/mean": 0.25, **got}) == ("greedy/mean", 0.25)
+
+
+def _episode(n_prompt: int, n_response: int, finish: str, turns: int) -> Trajectory:
+    n = n_prompt + n_response
+    mask = np.r_[np.zeros(n_prompt), np.ones(n_response)].astype(np.uint8)
+    return Trajectory(id="t", prompt_id="p", env="e", producer_id="x", tokens=np.arange(n), action_mask=mask,
+                      rollout_logprobs=np.zeros(n), versions=np.where(mask == 1, 3, -1), prompt_len=n_prompt,
+                      reward=1.0, finish_reason=finish, num_turns=turns)
+
+
+def test_episode_figures_by_hand():
+    got = episode_scores([_episode(3, 4, "stop", 1), _episode(2, 8, "length", 3)])
+    assert got == {"episode/response_tokens": 6.0, "episode/turns": 2.0, "episode/truncated": 0.5}
+    assert episode_scores([]) == {}
+
+
+def test_the_first_version_comes_first_then_the_newest_due_one():
+    assert due({0, 1, 2}, set(), every=5, first=0) == 0
+    assert due({0, 1, 2}, {0}, every=5, first=0) is None
+    assert due(set(range(13)), {0}, every=5, first=0) == 10  # behind: 5 is skipped, not queued
+    assert due(set(range(13)), {0, 10}, every=5, first=0) is None
+    assert due({37, 38, 40}, set(), every=5, first=37) == 37  # a run resumed at 37: its first seen
+    assert due({37, 38, 40}, {37}, every=5, first=37) == 40
+    assert due(set(), set(), every=5, first=None) is None
+
+
+def test_at_a_stop_the_newest_version_is_scored_unless_it_is():
+    assert final({0, 5, 7}, {0, 5}) == 7
+    assert final({0, 5}, {0, 5}) is None
+    assert final(set(), set()) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sets(st.integers(0, 60), max_size=30), st.sets(st.integers(0, 60), max_size=10), st.integers(1, 10))
+def test_a_due_version_is_announced_unsettled_and_past_every_settled_one_unless_it_is_the_first(announced, settled, every):
+    first = min(announced, default=None)
+    v = due(announced, settled, every, first)
+    if v is None:
+        return
+    assert v in announced and v not in settled
+    assert v == first or (v % every == 0 and v > max(settled, default=-1))
