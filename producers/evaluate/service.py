@@ -21,7 +21,6 @@ An episode the environment or the engine fails counts as reward 0 and in `episod
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import os
@@ -37,11 +36,11 @@ from confluent_kafka import TopicPartition
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from producers.envs import env_factory
-from producers.episode import TrajectoryIds, run_episode
-from producers.evaluate.scores import episode_scores, greedy_scores, headline, sampled_scores
+from producers.evaluate.scores import headline
+from producers.evaluate.suite import Suite, figures
 from producers.evaluate.versions import Versions, due, final
 from producers.feeder.datasets import load_rows
-from producers.generate.base import MAX_SEED, ArchitectureMismatch, SamplingParams
+from producers.generate.base import ArchitectureMismatch, SamplingParams
 from producers.generate.vllm import VLLMConfig
 from producers.heldout import evaluation_tasks, held_out, split_frac
 from producers.sandbox import SandboxConfig
@@ -49,10 +48,9 @@ from producers.service import choose_backend, env_bounds, learner_generator, mak
 from producers.updates import WeightsError
 from producers.weights import learner_store
 from schemas import topics as T
-from schemas.boundary import Bounds, call
 from schemas.config import ConfigError
 from schemas.kafka import KafkaConfig, ensure_topics, make_consumer, make_producer, produce_and_wait, read_ranges
-from schemas.messages import Evaluation, SchemaError, Trajectory
+from schemas.messages import Evaluation, SchemaError
 from schemas.process import stop_on_signals
 from schemas.retry import retrying
 
@@ -160,70 +158,6 @@ def suite_tasks(cfg: EvalConfig, env) -> tuple[list[dict], str]:
     return tasks, "heldout" if frac > 0 else "all"
 
 
-@dataclass(kw_only=True)
-class Suite:
-    """One env's evaluation: its tasks and how an episode of each is played and scored."""
-
-    cfg: EvalConfig
-    env: object
-    generator: object
-    tasks: list[dict]
-    split: str
-    stops: tuple[int, ...]
-    score: object = None
-    bounds: Bounds | None = None
-
-    async def episode(self, version: int, task: int, sample: int) -> Trajectory:
-        """Task `task`'s greedy episode (`sample` -1) or its sample `sample`, seeded by both."""
-        params = self.cfg.sampling(sample < 0, self.stops)
-        if sample >= 0:  # the same seed for every version: versions differ by their weights alone
-            params = dataclasses.replace(params, seed=(self.cfg.seed * 1_000_003 + task * 1009 + sample) % MAX_SEED)
-        bounds = self.bounds or Bounds(plugin=f"env {self.env.name}")
-        episode = await call(bounds, "task", self.env.episode, self.tasks[task])
-        ids = TrajectoryIds(id=f"eval-{self.cfg.name}-v{version}-{task}.{sample}", prompt_id=f"eval/{task}",
-                            env=self.env.name, producer_id=self.cfg.evaluator_id)
-        traj = await run_episode(episode, self.generator, params, ids, bounds)
-        if self.score is not None:
-            traj = await call(bounds, "reward", self.score, self.tasks[task], traj)
-        return traj
-
-    async def play(self, version: int) -> dict[int, list[Trajectory | None]]:
-        """Every episode of every task at once (the engine batches them): task -> [greedy, samples...];
-        None for an episode that failed on the task, the env or the engine."""
-        first = -1 if self.cfg.greedy else 0
-        keys = [(t, s) for t in range(len(self.tasks)) for s in range(first, self.cfg.samples)]
-        results = await asyncio.gather(*(self.episode(version, t, s) for t, s in keys), return_exceptions=True)
-        out: dict[int, list[Trajectory | None]] = {t: [] for t in range(len(self.tasks))}
-        for (t, s), r in zip(keys, results):
-            if isinstance(r, BaseException) and not isinstance(r, ValueError):
-                raise r  # not the episode's fault (a bug, a cancelled loop)
-            if isinstance(r, ValueError):
-                log.warning("eval v%d task %d episode %d failed: %s", version, t, s, r)
-            out[t].append(None if isinstance(r, ValueError) else r)
-        return out
-
-
-def figures(cfg: EvalConfig, played: dict[int, list[Trajectory | None]], version: int) -> dict[str, float]:
-    """The evaluation's figures from its episodes (a failed one scores 0); checks that every action
-    token was sampled by `version`, and that the env (or --reward) gave every episode a reward."""
-    episodes = [t for row in played.values() for t in row if t is not None]
-    for traj in episodes:
-        acted = traj.versions[traj.action_mask == 1]
-        if acted.size and not (acted == version).all():
-            raise RuntimeError(f"evaluation of v{version}: episode {traj.id} has tokens of versions "
-                               f"{sorted(set(acted.tolist()))}; the engine changed weights mid-evaluation")
-        if traj.reward is None:
-            raise ConfigError(f"--env {cfg.env} gives no reward of its own: give sao eval --reward module:function")
-    rewards = {t: [0.0 if x is None else x.reward for x in row] for t, row in played.items()}
-    metrics = {}
-    if cfg.greedy:
-        metrics |= greedy_scores([row[0] for row in rewards.values()], cfg.success)
-    if cfg.samples:
-        metrics |= sampled_scores([row[int(cfg.greedy):] for row in rewards.values()], cfg.success)
-    n = sum(len(row) for row in played.values())
-    return metrics | episode_scores(episodes) | {"episode/errors": (n - len(episodes)) / n}
-
-
 def scored_versions(kafka: KafkaConfig, suite: str, env: str) -> set[int]:
     """The versions already scored under `suite` for `env`, read from `sao.evaluations`."""
     consumer = make_consumer(kafka, f"sao-eval-read-{uuid.uuid4().hex}")
@@ -320,19 +254,21 @@ def run(cfg: EvalConfig, stop: threading.Event | None = None) -> int:
     from schemas.tokenizers import load_tokenizer  # transformers only once we run
 
     stop = stop_on_signals(stop)
+    metrics = EvalMetrics(cfg.metrics_port)  # up (and healthy) while it waits for the learner
     ensure_topics(cfg.kafka)
     if (store := learner_store(cfg.kafka, stop)) is None:
+        metrics.close()
         return 0
     backend = choose_backend(cfg.backend, store)
     generator, model = learner_generator(backend, store, seed=cfg.seed, device=cfg.device, vllm=cfg.vllm)
-    versions = producer = metrics = None
+    versions = producer = None
     try:
         env, params, score = make_parts(cfg, load_tokenizer(model))
         tasks, split = suite_tasks(cfg, env)
         suite = Suite(cfg=cfg, env=env, generator=generator, tasks=tasks, split=split, stops=params.stop_token_ids,
                       score=score, bounds=env_bounds(cfg, generator))
         settled = scored_versions(cfg.kafka, cfg.name, cfg.env)
-        versions, producer, metrics = Versions(cfg.kafka, generator), make_producer(cfg.kafka), EvalMetrics(cfg.metrics_port)
+        versions, producer = Versions(cfg.kafka, generator), make_producer(cfg.kafka)
         evaluator = Evaluator(cfg, suite, versions, producer, metrics)
         log.info("eval %s: %s backend, %d tasks of %s (split %s), %s%d samples each, every %d versions; %d scored "
                  "before", cfg.name, backend, len(tasks), cfg.env, split, "greedy + " if cfg.greedy else "", cfg.samples,
@@ -352,8 +288,8 @@ def run(cfg: EvalConfig, stop: threading.Event | None = None) -> int:
     finally:
         if producer is not None:
             producer.flush(10)
-        for part in (versions, metrics):
-            if part is not None:
-                part.close()
+        if versions is not None:
+            versions.close()
+        metrics.close()
         if hasattr(generator, "close"):  # an engine's threads and processes (vLLM's) end with it
             generator.close()

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from producers.envs import make_env
-from producers.evaluate.service import EvalConfig, Suite, figures, run
+from producers.evaluate.service import EvalConfig, run
+from producers.evaluate.suite import Suite, figures
 from producers.generate.hf import HFGenerator
 from producers.models import load_model
 from schemas import topics as T
