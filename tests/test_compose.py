@@ -1,6 +1,7 @@
 """docker-compose.yml: every profile and override validates, the Dockerfiles lint clean, and the CPU
 topology really runs on a Docker engine (started here if none runs): Kafka, topics, learner, three
-hf producers, a vLLM producer on CPU and the feeder; a producer SIGKILLed mid-run loses no prompt;
+hf producers, a vLLM producer on CPU, the feeder and the evaluator; a producer SIGKILLed mid-run
+loses no prompt, and the evaluator scores the first version and later ones;
 `down -v` leaves nothing. A second, shorter project on the same image brings up the cluster
 override (three Kafka containers): topics replicated three times, a node SIGKILLed, nothing lost.
 
@@ -153,7 +154,9 @@ def test_cpu_topology_trains_survives_a_producer_sigkill_and_leaves_nothing(engi
            # vLLM's included, plays some on later versions
            "SAO_MAX_LAG": "16",
            "SAO_BATCH_TRAJECTORIES": "8", "SAO_MAX_TOKENS": "8", "SAO_LOG_EVERY_S": "2",
-           "SAO_LR_POLICY": "3e-3", "SAO_LR_CRITIC": "3e-3", "SAO_LEARNER_THREADS": "1", "SAO_LOG_LEVEL": "INFO"}
+           "SAO_LR_POLICY": "3e-3", "SAO_LR_CRITIC": "3e-3", "SAO_LEARNER_THREADS": "1", "SAO_LOG_LEVEL": "INFO",
+           # the evaluator on the hf engine: vLLM's CPU engines are the producer's to test here
+           "SAO_EVAL_BACKEND": "hf", "SAO_EVAL_EVERY": "2", "SAO_EVAL_TASKS": "4", "SAO_EVAL_SAMPLES": "1"}
     project = ["-p", name, "-f", BASE, "-f", HOST, "--profile", "vllm"]
     bootstrap = f"127.0.0.1:{port}"
     run = lambda *a, **k: _compose(*project, *a, env=env, **k)  # noqa: E731
@@ -196,6 +199,13 @@ def test_cpu_topology_trains_survives_a_producer_sigkill_and_leaves_nothing(engi
         assert fed == trained | in_flight | dead and len(fed) == len(trained) + len(in_flight) + len(dead - produced)
         restarts = int(subprocess.run(["docker", "inspect", "-f", "{{.RestartCount}}", victim], capture_output=True,
                                       text=True, check=True).stdout)
+
+        def evaluations():
+            scored = _read_topic(bootstrap, "sao.evaluations")
+            versions = {e.version for e in scored}
+            return 0 in versions and max(versions) >= 2 and scored
+        scored = _wait("the evaluator's scores of v0 and a later version", evaluations, 600, project)
+        assert {e.split for e in scored} == {"all"} and all("greedy/mean" in e.metrics for e in scored)
         print(f"\ncompose: image {built_s:.0f} s; fed {len(fed)} = trained {len(trained)} + in flight "
               f"{len(in_flight)} + dead-lettered {len(dead - produced)}; killed producer restarted {restarts}x; "
               f"total {time.monotonic() - t0:.0f} s", flush=True)
