@@ -152,10 +152,13 @@ def _root_lines(allow: list[str]) -> list[str]:
     return lines
 
 
-def _setup_script(cfg: SandboxConfig, uid: int, allow: list[str]) -> str:
-    """The shell run as root inside the new namespaces, ending in the unprivileged interpreter."""
-    cpu = max(1, int(cfg.timeout_s) + 1)
+def _setup_script(cfg: SandboxConfig, uid: int, allow: list[str], program: str | None = None,
+                  cpu_s: float | None = None) -> str:
+    """The shell run as root inside the new namespaces, ending in the unprivileged interpreter
+    running `main.py`: the code read from stdin, or `program` (stdin is then the program's own)."""
+    cpu = max(1, int(cpu_s or cfg.timeout_s) + 1)
     q = shlex.quote
+    write = "cat > $R/tmp/work/main.py" if program is None else f"printf %s {q(program)} > $R/tmp/work/main.py"
     lines = ["set -e", "mount -t tmpfs -o size=64k,mode=0700 tmpfs /mnt",  # private mount namespace
              "R=/mnt/root", "mkdir $R", "mount -t tmpfs -o size=1m,mode=0755 tmpfs $R"]
     lines += _root_lines(allow)
@@ -163,7 +166,7 @@ def _setup_script(cfg: SandboxConfig, uid: int, allow: list[str]) -> str:
     lines += [f"touch $R/dev/{d} && mount --bind /dev/{d} $R/dev/{d}" for d in _DEVICES]
     lines += ["mount -t proc -o nosuid,nodev,noexec proc $R/proc",  # this PID namespace's
               f"mount -t tmpfs -o size={cfg.max_disk_bytes},mode=0755,nosuid,nodev tmpfs $R/tmp",
-              "mkdir -m 0700 $R/tmp/work", "cat > $R/tmp/work/main.py", f"chown -R {uid}:{uid} $R/tmp/work",
+              "mkdir -m 0700 $R/tmp/work", write, f"chown -R {uid}:{uid} $R/tmp/work",
               "mount -o remount,ro $R",
               # no exec: sh stays PID 1 of the namespace, so the code gets ordinary signal semantics
               "/usr/sbin/chroot $R /bin/sh -c " + q(
@@ -216,19 +219,25 @@ class Sandbox:
                 "container does not allow mount/network/PID namespaces (unshare) for this user, so "
                 "the sandbox refuses to execute code rather than run it unisolated")
 
-    def run(self, code: str) -> SandboxResult:
+    def command(self, program: str | None = None, cpu_s: float | None = None) -> tuple[list[str], RunGroup | None]:
+        """The command line of one isolated interpreter (module docstring) and its cgroup (None
+        with `--sandbox.cgroup off`), which the caller closes once the process is gone."""
         cfg = self.cfg
         uid = cfg.uid_base + next(self._uids) % 50_000
-        # setpriv --pdeathsig: unshare dies with the calling thread, so a producer killed mid-run
-        # leaves nothing behind (--kill-child passes the SIGKILL on to the namespace).
+        # setpriv --pdeathsig: unshare dies with the thread that started it, so a producer killed
+        # mid-run leaves nothing behind (--kill-child passes the SIGKILL on to the namespace).
         cmd = ["/usr/bin/setpriv", "--pdeathsig", "KILL", "--", cfg.unshare, "--mount", "--net",
                "--pid", "--fork", "--mount-proc", "--kill-child",
-               "--", "/bin/sh", "-c", _setup_script(cfg, uid, self._allow)]
+               "--", "/bin/sh", "-c", _setup_script(cfg, uid, self._allow, program, cpu_s)]
         group = None
         if self._cgroups is not None:
             group = RunGroup.create(*self._cgroups, memory_bytes=cfg.max_total_memory_bytes,
                                     cpus=cfg.max_cpus, pids=cfg.max_procs + 8)  # + the setup's own
             cmd = ["/bin/sh", "-c", group.join_script(), "sh", *cmd]
+        return cmd, group
+
+    def run(self, code: str) -> SandboxResult:
+        cmd, group = self.command()
         try:
             res = self._execute(cmd, code)
             if group is not None:
@@ -252,7 +261,7 @@ class Sandbox:
                 timed_out = True
             finally:
                 if proc.returncode is None:  # timed out, or interrupted: nothing may outlive us
-                    _kill_namespace(proc)
+                    kill_namespace(proc)
             duration = time.monotonic() - t0
             out.seek(0)
             raw = out.read(cfg.max_output_bytes + 1)
@@ -268,7 +277,7 @@ class Sandbox:
                              truncated=len(raw) > cfg.max_output_bytes, timed_out=False,
                              duration_s=duration)
 
-def _kill_namespace(proc: subprocess.Popen) -> None:
+def kill_namespace(proc: subprocess.Popen) -> None:
     """SIGKILL the namespace's first process and wait for unshare to reap it.
 
     The kernel kills every other process of a PID namespace when its first process dies, and that
