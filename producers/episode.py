@@ -49,10 +49,21 @@ async def run_episode(episode: Episode, generator: Generator, params: SamplingPa
                       ids: TrajectoryIds, bounds: Bounds | None = None) -> Trajectory:
     """Alternate generator turns and environment steps until done or `episode.max_turns`. Every
     call into the episode goes through the plug-in boundary (schemas/boundary.py): bounded in
-    time, its results checked, whatever it does costing this episode alone."""
+    time, its results checked, whatever it does costing this episode alone. An episode that
+    reaches its token budget (`bounds.max_tokens`: the context window, or less) ends there as
+    truncated (`finish_reason` context); the episode is closed however it ends."""
     bounds = bounds or Bounds(plugin=f"env {ids.env}")
     if params.max_tokens < 1:
         raise ValueError("max_tokens must be >= 1: every turn needs an action token")
+    try:
+        return await _play(episode, generator, params, ids, bounds)
+    finally:
+        if callable(getattr(episode, "close", None)):
+            await asyncio.shield(call(bounds, "env.close", episode.close))
+
+
+async def _play(episode: Episode, generator: Generator, params: SamplingParams, ids: TrajectoryIds,
+                bounds: Bounds) -> Trajectory:
     spans = {"tokens": [], "action_mask": [], "rollout_logprobs": [], "versions": []}
     used = 0
 
@@ -69,7 +80,7 @@ async def run_episode(episode: Episode, generator: Generator, params: SamplingPa
         token_ids(bounds, "env.prompt_ids", episode.prompt_ids), _turns(bounds, episode.max_turns)))
     room(bounds, "env.prompt_ids", 0, len(prompt))
     add(prompt, False)
-    turn_rewards, timing = [], {"generate_s": 0.0, "env_s": 0.0}
+    turn_rewards, timing, tools = [], {"generate_s": 0.0, "env_s": 0.0}, [0, 0]
     start = time.perf_counter()
     for turn in range(1, max_turns + 1):
         turn_params = replace(params, max_tokens=min(params.max_tokens, bounds.max_tokens - used))
@@ -79,11 +90,17 @@ async def run_episode(episode: Episode, generator: Generator, params: SamplingPa
         t = time.perf_counter()
         step = await call(bounds, "env.step", env_step, bounds, episode, gen.token_ids.tolist())
         timing["env_s"] += time.perf_counter() - t
+        tools[0], tools[1] = tools[0] + step.tool_calls, tools[1] + step.tool_errors
+        finish = step.reason or ("max_turns" if turn == max_turns and not step.done else gen.finish_reason)
         if step.done or turn == max_turns:
             break
         if step.reward is not None:
             turn_rewards.append((used - 1, step.reward))  # on the last token of this turn's action span
-        room(bounds, "env.step.observation", used, len(step.observation))
+        if used + len(step.observation) + 1 > bounds.max_tokens:  # no room for its next turn: cut here,
+            if step.reward is not None:  # this turn's reward becoming the outcome (the same token)
+                turn_rewards.pop()
+            step, finish = replace(step, reward=step.reward or 0.0), "context"
+            break
         add(step.observation, False)
     timing["total_s"] = time.perf_counter() - start
     return Trajectory(id=ids.id, prompt_id=ids.prompt_id, env=ids.env, producer_id=ids.producer_id,
@@ -91,7 +108,8 @@ async def run_episode(episode: Episode, generator: Generator, params: SamplingPa
                       **{k: np.concatenate(v) for k, v in spans.items()},
                       prompt_len=len(prompt), reward=step.reward, turn_rewards=turn_rewards,
                       temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                      finish_reason=gen.finish_reason, num_turns=turn, timing=timing)
+                      finish_reason=finish, num_turns=turn, tool_calls=tools[0], tool_errors=tools[1],
+                      timing=timing)
 
 
 def _turns(bounds: Bounds, max_turns) -> int:
@@ -107,8 +125,14 @@ def env_step(bounds: Bounds, episode: Episode, action_ids: list[int]) -> Step:
     step = episode.step(action_ids)
     if not isinstance(step, Step):
         raise bounds.fail("env.step", f"expected a Step, got {type(step).__name__}")
+    counts = (step.tool_calls, step.tool_errors)
+    if not all(isinstance(n, numbers.Integral) and not isinstance(n, bool) and n >= 0 for n in counts):
+        raise bounds.fail("env.step.tool_calls", f"tool counts must be ints >= 0, got {counts!r:.60}")
+    if not isinstance(step.reason, str) or len(step.reason) > 64:
+        raise bounds.fail("env.step.reason", f"expected a short str, got {step.reason!r:.60}")
     return Step(observation=token_ids(bounds, "env.step.observation", step.observation),
-                reward=reward(bounds, "env.step.reward", step.reward), done=bool(step.done))
+                reward=reward(bounds, "env.step.reward", step.reward), done=bool(step.done),
+                reason=step.reason if step.done else "", tool_calls=int(counts[0]), tool_errors=int(counts[1]))
 
 
 @dataclass(kw_only=True)

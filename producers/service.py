@@ -98,8 +98,14 @@ class ProducerConfig:
     """Sampling temperature; the learner must recompute log-probs at the same value."""
     max_tokens: int = 256
     """Most tokens per model turn."""
-    max_turns: int = 4
+    max_turns: int = 8
     """Most model turns per episode, for multi-turn environments that take it."""
+    max_invalid_calls: int = 3
+    """Tool-using envs that take it: replies in a row whose every tool call failed before the
+    episode ends (finish_reason invalid_calls)."""
+    episode_deadline_s: float = 300.0
+    """Tool-using envs that take it: wall-clock seconds after which an episode's next turn ends it
+    (finish_reason deadline)."""
     url: str = "http://127.0.0.1:8000"
     """Completions server of the http backend."""
     serve_token: str = ""
@@ -206,6 +212,8 @@ class PlaySettings(Protocol):
     temperature: float
     max_tokens: int
     max_turns: int
+    max_invalid_calls: int
+    episode_deadline_s: float
     env_step_timeout: float
     sandbox: SandboxConfig
 
@@ -214,7 +222,8 @@ def make_parts(cfg: PlaySettings, tokenizer) -> tuple:
     """The environment (checked on one smoke task), the sampling params, and the --reward scorer
     (None without one); the env gets the settings its constructor takes."""
     offered = {"tokenizer": lambda: tokenizer, "sandbox": lambda: Sandbox(cfg.sandbox),
-               "max_turns": lambda: cfg.max_turns}
+               "max_turns": lambda: cfg.max_turns, "max_invalid_calls": lambda: cfg.max_invalid_calls,
+               "deadline_s": lambda: cfg.episode_deadline_s}
     env = build_env(cfg.env, offered)
     for needs, flag in ((takes(env_factory(cfg.env), "tokenizer") or isinstance(env, TextEnv), f"--env {cfg.env}"),
                         (bool(cfg.reward), f"--reward {cfg.reward}")):

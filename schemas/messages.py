@@ -19,7 +19,14 @@ import numpy as np
 from schemas.fields import (DEFAULT_LIMITS, TOKEN_ARRAYS, Limits, SchemaError, as_le, binary, integer, mapping,
                             number, number_map, optional_integer, required, string, token_array, turn_rewards_field)
 
-SCHEMA_VERSION = 2  # 2: typed per-turn rewards and sampling settings on trajectories
+SCHEMA_VERSION = 3  # 2: typed per-turn rewards and sampling settings on trajectories; 3: tool counts
+READS = (2, 3)
+"""Versions this build decodes: a version-2 trajectory has no tool counts (read as 0)."""
+
+TRUNCATED = ("length", "context")
+"""Finish reasons of an episode cut short by a token budget: its last turn by `--max-tokens`, or
+the whole at the context window or `--max-episode-tokens`. The learner trains them under its
+overlong policy (`--update.overlong`)."""
 
 __all__ = ["DEFAULT_LIMITS", "TOKEN_ARRAYS", "Limits", "SchemaError", "SCHEMA_VERSION", "Prompt", "Trajectory",
            "Reward", "Weights", "DeadLetter", "AnchorRequest", "Evaluation", "KINDS", "Message", "decode"]
@@ -130,7 +137,14 @@ class Trajectory(_Message):
     top_k: int = 0
     """Top-k truncation used when sampling (0: none)."""
     finish_reason: str = "stop"
+    """Why the episode ended: stop (the model's last turn ended), length (it reached --max-tokens),
+    context (the episode reached its token budget), max_turns, invalid_calls, deadline (the env's
+    limits), truncated (a proxy session closed unfinished)."""
     num_turns: int = 1
+    tool_calls: int = 0
+    """Tool calls the model made over the episode."""
+    tool_errors: int = 0
+    """Of them, those that failed (malformed, unknown tool, bad arguments, the tool raised)."""
     timing: dict = field(default_factory=dict)
     meta: dict = field(default_factory=dict)
     """Free-form; never read by the learner."""
@@ -165,6 +179,7 @@ class Trajectory(_Message):
                 "turn_rewards": [[int(i), float(r)] for i, r in self.turn_rewards],
                 "temperature": float(self.temperature), "top_p": float(self.top_p), "top_k": int(self.top_k),
                 "finish_reason": self.finish_reason, "num_turns": self.num_turns,
+                "tool_calls": self.tool_calls, "tool_errors": self.tool_errors,
                 "timing": self.timing, "meta": self.meta}
 
     @classmethod
@@ -205,6 +220,8 @@ class Trajectory(_Message):
                    temperature=temperature, top_p=top_p, top_k=integer(m, "top_k", lo=0),
                    finish_reason=string(m, "finish_reason", limits),
                    num_turns=integer(m, "num_turns", lo=0),
+                   **({"tool_calls": integer(m, "tool_calls", lo=0), "tool_errors": integer(m, "tool_errors", lo=0)}
+                      if m["v"] >= 3 else {}),
                    timing=mapping(m, "timing", limits), meta=mapping(m, "meta", limits))
 
 
@@ -400,6 +417,7 @@ class Evaluation(_Message):
 KINDS: dict[str, type[_Message]] = {c.kind: c for c in (Prompt, Trajectory, Reward, Weights, DeadLetter,
                                                         AnchorRequest, Evaluation)}
 _FIELD_NAMES = {c: {"v", "kind", *(f.name for f in dataclasses.fields(c))} for c in KINDS.values()}
+_SINCE_3 = {"tool_calls", "tool_errors"}
 Message = Prompt | Trajectory | Reward | Weights | DeadLetter | AnchorRequest | Evaluation
 
 
@@ -424,13 +442,13 @@ def decode(data: bytes, limits: Limits = DEFAULT_LIMITS) -> Message:
     if not isinstance(m, dict):
         raise SchemaError("<message>", f"expected a map, got {type(m).__name__}")
     v = integer(m, "v")
-    if v != SCHEMA_VERSION:
-        raise SchemaError("v", f"unknown schema version {v} (this build reads {SCHEMA_VERSION})")
+    if v not in READS:
+        raise SchemaError("v", f"unknown schema version {v} (this build reads {READS})")
     kind = required(m, "kind")
     if kind not in KINDS:
         raise SchemaError("kind", f"unknown message kind {kind!r}")
     cls = KINDS[kind]
-    unknown = m.keys() - _FIELD_NAMES[cls]
+    unknown = m.keys() - (_FIELD_NAMES[cls] - _SINCE_3 if v < 3 else _FIELD_NAMES[cls])
     if unknown:
         raise SchemaError(sorted(unknown)[0], f"unknown field in a {kind!r} message")
     return cls._from_map(m, limits)

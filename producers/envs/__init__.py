@@ -12,6 +12,7 @@ import random
 from collections.abc import Callable, Mapping
 from functools import partial
 
+from producers.envs.calc import CalcAgentEnv
 from producers.envs.math import MathEnv
 from producers.envs.pending import WritingEnv
 from producers.envs.python_tool import PythonToolEnv
@@ -25,6 +26,7 @@ ENVS = {"toy-target": TargetEnv, "toy-multiturn": MultiTurnEnv}
 ENVS["math"] = MathEnv
 ENVS["python-tool"] = PythonToolEnv
 ENVS["writing"] = WritingEnv  # no built-in reward: trajectories go to sao.trajectories.pending
+ENVS["calc-agent"] = CalcAgentEnv  # tools declared as functions, called in JSON, a stateful python session
 GROUP = "sao.envs"
 
 

@@ -14,7 +14,9 @@ smoke task at start where the env samples tasks:
   read raises KeyError, TypeError or ValueError in `episode`, which sends that prompt to `sao.dlq`;
 - the env is shared by every episode in flight and `step` runs in a worker thread, so state lives
   in the `Episode`, not the `Env`;
-- `name` is set to the name the env was loaded by, which is what prompts carry.
+- `name` is set to the name the env was loaded by, which is what prompts carry;
+- an episode that holds something (an interpreter, a connection) frees it in `close()`, which the
+  producer calls once however the episode ends.
 Users who think in strings write a gym-style text env instead (producers/envs/text.py).
 """
 
@@ -33,6 +35,13 @@ class Step:
     """Reward of this turn, placed on the last token of its action span; on the final step, the
     outcome reward. None on the final step means a live reward stream will score it."""
     done: bool = False
+    reason: str = ""
+    """Why the env ended the episode, when it ends it for anything but the model's final answer
+    (`max_turns`, `invalid_calls`, `deadline`, ...): the trajectory's `finish_reason`."""
+    tool_calls: int = 0
+    """Tool calls the model made in this turn's action span."""
+    tool_errors: int = 0
+    """Of them, those that failed: malformed, an unknown tool, bad arguments, or the tool raised."""
 
 
 class Episode(Protocol):
@@ -40,6 +49,9 @@ class Episode(Protocol):
     max_turns: int
 
     def step(self, action_ids: list[int]) -> Step: ...
+
+    # optional: `close()`, called once however the episode ends (answer, limit, error, cancellation),
+    # to free what it holds (a sandboxed interpreter)
 
 
 class Env(Protocol):

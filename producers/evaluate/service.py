@@ -92,8 +92,12 @@ class EvalConfig:
     """Temperature of the sampled episodes (the producers': what training samples at)."""
     max_tokens: int = 256
     """Most tokens per model turn."""
-    max_turns: int = 4
+    max_turns: int = 8
     """Most model turns per episode, for multi-turn environments."""
+    max_invalid_calls: int = 3
+    """Tool-using envs: replies in a row whose every tool call failed before the episode ends."""
+    episode_deadline_s: float = 300.0
+    """Tool-using envs: wall-clock seconds after which an episode's next turn ends it."""
     reward: str = ""
     """module:function(task, text, trajectory) -> float scoring each episode in place of the env's
     (needed for an env without a reward, such as writing); empty: the env's own reward."""

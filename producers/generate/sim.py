@@ -115,3 +115,7 @@ class ToolLatency:
         if not step.done:
             time.sleep(self.tool_s)
         return step
+
+    def close(self) -> None:
+        if callable(getattr(self.inner, "close", None)):
+            self.inner.close()

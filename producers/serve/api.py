@@ -19,13 +19,13 @@ log-probs returned, and trained on, must be those of the distribution actually s
 from __future__ import annotations
 
 import json
-import re
 import time
 import uuid
 from dataclasses import dataclass
 
 import numpy as np
 
+from producers.envs.tools import OPEN, strip_calls, tool_calls
 from producers.generate.base import NEUTRAL_SAMPLING, Generation, SamplingParams
 from schemas.http import RequestError  # the one refusal type of both HTTP servers; re-exported here
 
@@ -34,8 +34,6 @@ _UNSUPPORTED = ("logit_bias", "bad_words", "allowed_token_ids", "min_tokens", "s
                 "functions", "function_call", "top_logprobs")
 
 ROLES = ("system", "user", "assistant", "tool")
-_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
-_OPEN = "<tool_call>"
 
 
 def check_context(prompt_len: int, max_tokens: int, context: int) -> None:
@@ -47,20 +45,13 @@ def check_context(prompt_len: int, max_tokens: int, context: int) -> None:
 
 def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
     """The content and OpenAI tool calls of a sampled reply; all content unless every
-    `<tool_call>` block holds {"name": str, "arguments": …}."""
-    calls = []
-    for m in _CALL.finditer(text):
-        try:
-            call = json.loads(m.group(1))
-        except (ValueError, RecursionError):  # RecursionError: JSON nested beyond Python's stack
-            return text, []
-        if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
-            return text, []
-        args = call.get("arguments", {})
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": call["name"],
-                                   "arguments": args if isinstance(args, str) else json.dumps(args)}})
-    return (_CALL.sub("", text) if calls else text), calls
+    `<tool_call>` block holds {"name": str, "arguments": …} (producers/envs/tools.py)."""
+    calls, problems = tool_calls(text)
+    if problems or not calls:
+        return text, []
+    return strip_calls(text), [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                                "function": {"name": c["name"], "arguments": c["arguments"] if isinstance(
+                                    c["arguments"], str) else json.dumps(c["arguments"])}} for c in calls]
 
 
 def streamable(text: str, tools: bool) -> int:
@@ -69,10 +60,10 @@ def streamable(text: str, tools: bool) -> int:
     call is known only once complete."""
     n = len(text.rstrip("\ufffd"))
     if tools:
-        at = text.find(_OPEN, 0, n)
+        at = text.find(OPEN, 0, n)
         if at >= 0:
             return at
-        n -= next((k for k in range(len(_OPEN) - 1, 0, -1) if text[:n].endswith(_OPEN[:k])), 0)
+        n -= next((k for k in range(len(OPEN) - 1, 0, -1) if text[:n].endswith(OPEN[:k])), 0)
     return n
 
 

@@ -45,6 +45,7 @@ import numpy as np
 
 from producers.serve.api import RequestError, check_context
 from producers.envs.chat import Chat
+from producers.envs.tools import render_chat
 from producers.generate.base import Generation, SamplingParams
 from schemas import topics as T
 from schemas.kafka import KafkaConfig, produce_and_wait
@@ -136,9 +137,7 @@ class Sessions:
         self._reaper.start()
 
     def render(self, messages: list[dict], tools, generation: bool) -> str:
-        extra = {"tools": tools} if tools else {}  # a template without tool support still renders chats
-        return self.chat.tokenizer.apply_chat_template(messages, add_generation_prompt=generation,
-                                                       tokenize=False, **extra)
+        return render_chat(self.chat.tokenizer, messages, tools, generation)
 
     def begin(self, receipt: str | None, messages: list[dict], tools, params: SamplingParams,
               max_tokens: int | None, prompt_id: str | None = None) -> tuple[Session, list[int], SamplingParams]:

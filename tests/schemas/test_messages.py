@@ -339,3 +339,18 @@ def test_an_evaluation_is_keyed_by_suite_env_and_version():
                    metrics={"sampled/pass@4": 0.5})
     assert e.key == b"heldout/math/7"
     assert Evaluation.decode(e.encode()).metrics == {"sampled/pass@4": 0.5}
+
+
+def test_a_version_2_trajectory_still_decodes_with_no_tool_counts():
+    traj = Trajectory(id="t", prompt_id="p", env="e", producer_id="x", tokens=np.arange(4), action_mask=np.array([0, 1, 1, 1], np.uint8),
+                      rollout_logprobs=np.zeros(4), versions=np.array([-1, 0, 0, 0]), prompt_len=1, reward=1.0,
+                      tool_calls=3, tool_errors=1)
+    assert Trajectory.decode(traj.encode()).tool_calls == 3
+    m = msgpack.unpackb(traj.encode())
+    m["v"] = 2
+    del m["tool_calls"], m["tool_errors"]
+    old = Trajectory.decode(msgpack.packb(m, use_bin_type=True))
+    assert (old.tool_calls, old.tool_errors) == (0, 0)
+    m["tool_calls"] = 3  # a field version 2 never had
+    with pytest.raises(SchemaError, match="tool_calls"):
+        Trajectory.decode(msgpack.packb(m, use_bin_type=True))
