@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "demo": ("sao.demo", "DemoConfig", "broker + topics + a visible produce -> consume round trip"),
     "producer": ("producers.service", "ProducerConfig", "play prompts from sao.prompts, publish trajectories"),
     "feed": ("producers.feeder.service", "FeedConfig", "publish prompts (JSONL or env generator) with backpressure"),
+    "warmup": ("sao.warmup", "WarmupConfig", "teach a base model an env's own demonstrations before RL (the cold start)"),
     "eval": ("producers.evaluate.service", "EvalConfig", "score every Nth weight version on held-out tasks, publish the results"),
     "serve": ("producers.serve.service", "ServeConfig", "completions and chat (rollout proxy) over the hf backend, following sao.weights"),
     "learner": ("learner.service", "LearnerConfig", "streaming SAO learner: trajectories in, FSDP2 training, weights out"),

@@ -26,7 +26,7 @@ from typing import Any
 from producers.envs.agent import AgentLimits, ToolEpisode, python, python_tools
 from producers.envs.chat import Chat
 from producers.envs.math import extract_answer
-from producers.envs.tools import CLOSE, OPEN, render_chat, tool_schema
+from producers.envs.tools import CLOSE, OPEN, render_chat, tool_response, tool_schema
 from producers.sandbox import Sandbox
 from schemas.messages import SchemaError
 
@@ -86,16 +86,17 @@ def check_task(task: dict) -> dict:
     return task
 
 
-def demonstration(task: dict) -> list[tuple[str, str]]:
-    """A solution as (assistant reply, tool output) per turn, the final reply's output "": one
-    call per operation, the running value kept in the session."""
+def demonstration(task: dict) -> list[tuple[str, str | None]]:
+    """A solution as (assistant reply, the env's answer to it) per turn, None after the final one:
+    one call per operation, the running value kept in the session's variable."""
     item, x, turns = task["item"], task["start"], []
     for i, (op, *args) in enumerate(task["steps"]):
         expr = OPS[op][1].format(*args, x=str(task["start"]) if i == 0 else item)
         code = f"{item} = {expr}\nprint({item})"
         x = apply(op, x, args)
-        turns.append((OPEN + json.dumps({"name": "python", "arguments": {"code": code}}) + CLOSE, str(x)))
-    return turns + [(f"Answer: {x}", "")]
+        turns.append((OPEN + json.dumps({"name": "python", "arguments": {"code": code}}) + CLOSE,
+                      tool_response([str(x)])))
+    return turns + [(f"Answer: {x}", None)]
 
 
 @dataclass(kw_only=True)
@@ -121,6 +122,9 @@ class CalcAgentEnv:
         start = rng.randint(100, 9999)
         steps, answer = sample_steps(rng, start, rng.choices(range(1, 6), STEPS_WEIGHTS)[0])
         return {"name": name, "item": rng.choice(ITEMS), "start": start, "steps": steps, "answer": answer}
+
+    def demonstration(self, task: dict) -> list[tuple[str, str | None]]:
+        return demonstration(check_task(task))
 
     def messages(self, task: dict) -> list[dict]:
         return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question(task)}]
