@@ -83,17 +83,19 @@ def ratio_stats(logp: Tensor, logp_rollout: Tensor, action_mask: Tensor, eps_low
 
 def dis_policy_loss(logp: Tensor, logp_rollout: Tensor, adv: Tensor, action_mask: Tensor,
                     eps_low: float, eps_high: float, loss_agg: LossAgg = "token_mean", *,
-                    num_tokens: int | None = None,
-                    num_seqs: int | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+                    num_tokens: int | None = None, num_seqs: int | None = None,
+                    trainable: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """loss = −Σ_t stopgrad(keep_t·r_t)·Â_t·logπ_θ(a_t|s_t) / N (SAO.md §3).
 
     All inputs (B, T); logp carries the graph, the rest are data. A kept token's gradient is
-    r_t·Â_t·∇logπ_θ; a masked token's is exactly zero. Returns (loss, ratio_stats).
+    r_t·Â_t·∇logπ_θ; a masked token's is exactly zero. `trainable` (default: every action token)
+    masks more tokens the same way: too stale, or of a masked truncated episode
+    (learner/long_episodes.py); they still count in N. Returns (loss, ratio_stats).
     """
     # ratio against the behaviour policy
     ratio = dis_ratio(logp, logp_rollout)
     # strict double-sided mask; Â's sign plays no part
-    keep = dis_keep(ratio, eps_low, eps_high) & action_mask
+    keep = dis_keep(ratio, eps_low, eps_high) & (action_mask if trainable is None else action_mask & trainable)
     # detached weight: no gradient flows through the ratio itself
     w = torch.where(keep, ratio, 0.0).detach()
     # policy loss; `where` keeps a masked token out even when its logp or ratio is not finite
@@ -104,8 +106,8 @@ def dis_policy_loss(logp: Tensor, logp_rollout: Tensor, adv: Tensor, action_mask
 
 def ppo_clip_policy_loss(logp: Tensor, logp_old: Tensor, adv: Tensor, action_mask: Tensor,
                          clip_eps: float, loss_agg: LossAgg = "token_mean", *,
-                         num_tokens: int | None = None,
-                         num_seqs: int | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+                         num_tokens: int | None = None, num_seqs: int | None = None,
+                         trainable: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """loss = −Σ_t min(r_t·Â_t, clip(r_t, 1 − ε, 1 + ε)·Â_t) / N, r_t = π_θ/π_old (SAO.md §7).
 
     π_old is the learner's own weights at batch start, not π_rollout: staleness of the rollout
@@ -114,6 +116,8 @@ def ppo_clip_policy_loss(logp: Tensor, logp_old: Tensor, adv: Tensor, action_mas
     ratio = torch.exp(logp - logp_old)
     clipped = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
     per_token = -torch.min(ratio * adv, clipped * adv)
+    if trainable is not None:  # as in `dis_policy_loss`: out of the gradient, still in N
+        per_token = torch.where(trainable, per_token, 0.0)
     loss = aggregate(per_token, action_mask, loss_agg, num_tokens=num_tokens, num_seqs=num_seqs)
     with torch.no_grad():
         clip_frac = aggregate((ratio != clipped).float(), action_mask, "token_mean", num_tokens=num_tokens)

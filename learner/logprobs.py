@@ -45,6 +45,8 @@ class Batch:
     response_len: Tensor  # (B,) int64, tokens after the prompt, observations included
     prompt_ids: tuple[str, ...]  # (B,) for running-mean baselines
     group_ids: tuple[str, ...]  # (B,) for group baselines: the rollouts of one prompt publication
+    train_mask: Tensor | None = None  # (B, T) bool, action tokens whose policy gradient counts (fresh,
+    # not in a masked truncated episode: learner/long_episodes.py); None: every action token
 
     @property
     def size(self) -> int:
@@ -72,8 +74,10 @@ def token_rewards(traj: Trajectory) -> np.ndarray:
     return rewards
 
 
-def collate(trajs: Sequence[Trajectory], *, device: torch.device | str = "cpu") -> Batch:
-    """Right-pad trajectories into a `Batch`; raises ValueError on an unscored or action-less one."""
+def collate(trajs: Sequence[Trajectory], *, device: torch.device | str = "cpu",
+            masks: Sequence[np.ndarray] | None = None) -> Batch:
+    """Right-pad trajectories into a `Batch`; `masks`: each trajectory's (T,) bool action tokens
+    whose policy gradient counts (`train_mask`). Raises ValueError on an unscored or action-less one."""
     B, T = len(trajs), max(len(t.tokens) for t in trajs)
     out = {name: np.zeros((B, T), dtype=dtype) for name, dtype in
            [("tokens", np.int64), ("attention_mask", bool), ("position_ids", np.int64),
@@ -89,6 +93,10 @@ def collate(trajs: Sequence[Trajectory], *, device: torch.device | str = "cpu") 
         out["logp_rollout"][b, :n] = np.where(acted, traj.rollout_logprobs, 0.0)
         out["versions"][b, :n] = traj.versions
         out["rewards"][b, :n] = token_rewards(traj)
+    if masks is not None:
+        out["train_mask"] = np.zeros((B, T), dtype=bool)
+        for b, mask in enumerate(masks):
+            out["train_mask"][b, :len(mask)] = mask
     tensors = {k: torch.from_numpy(v).to(device) for k, v in out.items()}
     return Batch(**tensors,
                  outcome=torch.tensor([t.reward for t in trajs], dtype=torch.float32, device=device),

@@ -30,9 +30,10 @@ from learner.lora import published_name
 from learner.publish import DTYPES, AnchorRequests, Publisher, WeightsConfig, announcer, newest_announced, snapshot
 from learner.checks import Trainable
 from learner.failures import StepFailures
-from learner.source import TrajectorySource, staleness
+from learner.long_episodes import fresh_fraction, policy_tokens, staleness
+from learner.source import TrajectorySource
 from learner.store import Checkpointer, WeightStore
-from learner.telemetry import Telemetry, staleness_metrics
+from learner.telemetry import Telemetry, episode_metrics, staleness_metrics
 from learner.update import SAOUpdate, UpdateConfig
 from learner.value import format_report, param_report
 from schemas import topics as T
@@ -56,7 +57,11 @@ class LearnerConfig:
     batch_tokens: int = 1 << 20
     """... or at this many tokens, whichever comes first."""
     max_staleness: int = 8
-    """Drop trajectories older than this many versions (-1: keep all, 0: current only)."""
+    """Action tokens sampled more than this many versions ago give no policy gradient (-1: no
+    bound, 0: current only); the episode is dropped when too few of its tokens are fresher."""
+    min_fresh_frac: float = 0.5
+    """Drop a trajectory when less than this share of its action tokens is within --max-staleness
+    (1.0: every token must be, as when whole episodes were judged by their oldest token)."""
     publish_every: int = 1
     """Publish the policy every this many versions."""
     keep_weights: int = 3
@@ -94,6 +99,8 @@ class LearnerConfig:
         for name, low in at_least.items():
             if getattr(self, name) < low:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(self, name)}")
+        if not 0 <= self.min_fresh_frac <= 1:
+            raise ConfigError(f"--min-fresh-frac must be in [0, 1], got {self.min_fresh_frac}")
 
     def trainable(self, model_config) -> Trainable:
         """What this learner can train, from its settings and its model's config (learner/checks.py)."""
@@ -215,8 +222,8 @@ class Learner:
         step = None
         if self.rank == 0:
             step = self.source.next_step(
-                step_index=self.update.step_count, staleness=self.staleness,
-                max_staleness=self.cfg.max_staleness, batch_trajectories=self.cfg.batch_trajectories,
+                step_index=self.update.step_count, staleness=self.staleness, fresh=self.fresh,
+                min_fresh_frac=self.cfg.min_fresh_frac, batch_trajectories=self.cfg.batch_trajectories,
                 batch_tokens=self.cfg.batch_tokens, stop=stop, poisoned=self.failures.poisoned)
         payloads = broadcast_bytes(step.payloads if step else None, self.device)
         if payloads is None:
@@ -227,13 +234,20 @@ class Learner:
         return FormedStep(trajectories=trajs, staleness=[self.staleness(t) for t in trajs])
 
     def staleness(self, traj: Trajectory) -> int:
-        """Policy updates since `traj` was sampled, along this learner's line (SAO.md §6)."""
+        """Policy updates since `traj`'s stalest token was sampled, along this learner's line (SAO.md §6)."""
         return staleness(self.version, traj, self.restarts)
+
+    def fresh(self, traj: Trajectory) -> float:
+        """The share of `traj`'s action tokens within `--max-staleness` (learner/long_episodes.py)."""
+        return fresh_fraction(self.version, traj, self.cfg.max_staleness, self.restarts)
 
     def train_step(self, trajs: list[Trajectory]) -> dict:
         t0 = time.perf_counter()
+        up = self.cfg.update
+        trained, masks = policy_tokens(self.version, trajs, self.cfg.max_staleness, up.overlong,
+                                       up.overlong_penalty, self.restarts)
         with self.failures.guard([t.id for t in trajs]):  # the update alone: publishing is not the input's fault
-            metrics = self.update.step(trajs)
+            metrics = self.update.step(trained, masks)
         train_s = time.perf_counter() - t0
         if metrics["step/policy_updated"]:
             self.version += 1
@@ -248,7 +262,7 @@ class Learner:
             "time": time.time(), "weights/version": self.version, "perf/step_s": step_s, "perf/train_s": train_s,
             "perf/publish_s": publish_s, "perf/tokens_per_s": tokens / step_s,
             "perf/trajectories_per_s": len(trajs) / step_s, "batch/trajectories": len(trajs),
-            "batch/tokens": tokens, "trajectory_ids": [t.id for t in trajs]}
+            "batch/tokens": tokens, "trajectory_ids": [t.id for t in trajs]} | episode_metrics(trajs, masks)
 
 
 def run(cfg: LearnerConfig) -> None:

@@ -5,7 +5,9 @@ what this learner can train (learner/checks.py: untrainable → `sao.dlq` with t
 is only ever formed from trainable trajectories and decoding overlaps with training. Its queue is
 bounded, and when full it pauses the partitions rather than stop polling. The training thread forms
 each step from that queue in arrival order: drop duplicates by trajectory id, drop trajectories
-staler than `max_staleness`, close at `batch_trajectories` or `batch_tokens`. Staleness is judged
+too little of which is fresh (`fresh(traj) < min_fresh_frac`: the share of their action tokens
+within `--max-staleness`, learner/long_episodes.py), close at `batch_trajectories` or
+`batch_tokens`. Staleness is judged
 against the version at step formation, so a step's composition does not depend on how far the
 prefetch thread ran ahead. Group baselines (grpo, grpo_dis) take a group only whole: its members
 wait in `held` until all G have arrived (or `group_wait_steps` steps have passed: then a partial
@@ -26,7 +28,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from confluent_kafka import OFFSET_INVALID, KafkaError, KafkaException, TopicPartition
@@ -112,24 +114,6 @@ def remember(ledger: dict, entries: dict, window: int) -> None:
     ledger.update(entries)
     while len(ledger) > window:
         del ledger[next(iter(ledger))]
-
-
-def staleness(learner_version: int, traj: Trajectory, restarts: Sequence[tuple[int, int]] = ()) -> int:
-    """Policy updates between the trajectory's oldest action-token version and the learner's:
-    learner_version − min(versions over action tokens) (SAO.md §6), along the learner's line.
-
-    `restarts`: (c, r) pairs, oldest first. A restart restored the policy of version c and
-    published it as version r, past the numbers c+1 … r−1 that the steps it replays had published
-    (learner/service.py `continue_versions`). Those numbers are not updates of the learner's line,
-    and a trajectory sampled on them is as stale as its distance through c."""
-    def depth(version: int) -> int:  # updates along the learner's line up to `version`
-        return version - sum(r - c for c, r in restarts if r <= version)
-
-    v = max(traj.min_version, 0)
-    for c, r in restarts:
-        if c < v < r:  # sampled on a branch the restart undid
-            return depth(learner_version) - depth(c) + (v - c)
-    return depth(learner_version) - depth(v)
 
 
 class TrajectorySource:
@@ -275,15 +259,16 @@ class TrajectorySource:
         return traj
 
     # ------------------------------------------------------------------ step formation
-    def next_step(self, *, step_index: int, staleness: Callable[[Trajectory], int], max_staleness: int,
-                  batch_trajectories: int, batch_tokens: int, stop: threading.Event,
+    def next_step(self, *, step_index: int, staleness: Callable[[Trajectory], int], fresh: Callable[[Trajectory], float],
+                  min_fresh_frac: float, batch_trajectories: int, batch_tokens: int, stop: threading.Event,
                   poisoned: Callable[[list[str]], str | None] = lambda ids: None) -> StepBatch | None:
         """Block until a step is full; None if `stop` is set first (a partial step is discarded
         and its trajectories are consumed again after a restart). `staleness(traj)`: how many versions
-        the trajectory's policy is behind the learner's at this step's formation. A step that
+        its stalest token is behind the learner's at this step's formation (a metric); `fresh(traj)`:
+        the share of its action tokens within the staleness bound, dropped below `min_fresh_frac`. A step that
         `poisoned` names an error for is dead-lettered whole and the next one is formed in its place."""
         dropped: dict[str, list[str]] = {}  # what the formations of dead-lettered steps dropped
-        while (step := self._form(step_index, staleness, max_staleness, batch_trajectories, batch_tokens,
+        while (step := self._form(step_index, staleness, fresh, min_fresh_frac, batch_trajectories, batch_tokens,
                                   stop)) is not None:
             for reason, ids in dropped.items():
                 step.drop(reason, ids)
@@ -299,8 +284,9 @@ class TrajectorySource:
             dropped = step.dropped
         return None
 
-    def _form(self, step_index: int, staleness: Callable[[Trajectory], int], max_staleness: int,
-              batch_trajectories: int, batch_tokens: int, stop: threading.Event) -> StepBatch | None:
+    def _form(self, step_index: int, staleness: Callable[[Trajectory], int], fresh: Callable[[Trajectory], float],
+              min_fresh_frac: float, batch_trajectories: int, batch_tokens: int,
+              stop: threading.Event) -> StepBatch | None:
         step = StepBatch()
         snapshot = (dict(self.positions), collections.Counter(self.counts),
                     {g: list(m) for g, m in self.held.items()}, dict(self.held_since))
@@ -308,7 +294,7 @@ class TrajectorySource:
         def take(entries: list[Consumed]) -> None:
             for e in entries:
                 stale = staleness(e.traj)
-                if max_staleness >= 0 and stale > max_staleness:
+                if fresh(e.traj) < min_fresh_frac:
                     self.counts["stale"] += 1
                     step.drop("stale", [e.traj.id])
                     continue

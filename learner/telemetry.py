@@ -22,6 +22,27 @@ def staleness_metrics(staleness: list[int]) -> dict:
             "stale/max": int(s.max()), "stale/hist": {str(k): v for k, v in sorted(Counter(s.tolist()).items())}}
 
 
+def episode_metrics(trajs: list, masks: list[np.ndarray]) -> dict:
+    """What the step's episodes looked like: `episode/turns`, `/tool_calls`, `/tool_errors`,
+    `/observation_tokens` (context only, never trained), `/response_tokens` mean and p50/p90/max,
+    `end/<finish reason>` shares, and `policy/trained_token_frac`: the share of action tokens whose
+    gradient counted (the rest too stale, or of a masked truncated episode)."""
+    response = np.array([t.num_tokens - t.prompt_len for t in trajs])
+    observed = [int((t.action_mask[t.prompt_len:] == 0).sum()) for t in trajs]
+    acted = sum(int(t.action_mask.sum()) for t in trajs)
+    ends = Counter(t.finish_reason for t in trajs)
+    return {"episode/turns": float(np.mean([t.num_turns for t in trajs])),
+            "episode/tool_calls": float(np.mean([t.tool_calls for t in trajs])),
+            "episode/tool_errors": float(np.mean([t.tool_errors for t in trajs])),
+            "episode/observation_tokens": float(np.mean(observed)),
+            "episode/response_tokens": float(response.mean()),
+            "episode/response_tokens_p50": float(np.percentile(response, 50)),
+            "episode/response_tokens_p90": float(np.percentile(response, 90)),
+            "episode/response_tokens_max": int(response.max()),
+            **{f"end/{reason}": n / len(trajs) for reason, n in sorted(ends.items())},
+            "policy/trained_token_frac": sum(int(m.sum()) for m in masks) / max(acted, 1)}
+
+
 class Telemetry:
     def __init__(self, run_dir: Path, metrics_port: int = 0):
         run_dir.mkdir(parents=True, exist_ok=True)

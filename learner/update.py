@@ -40,6 +40,7 @@ from learner.dis import (PRESETS, LossAgg, aggregate, dis_policy_loss, k3_kl, pp
                          ratio_stats)
 from learner.gae import adaptive_lambda, skip_observation_gae, whiten
 from learner.logprobs import Batch, collate, token_logprobs, token_rewards
+from learner.long_episodes import Overlong
 from learner.microbatch import StepPlan, StepStats, plan_step
 from learner.parallel import accumulate
 from learner.value import (ValueModel, critic_values, freeze_attention, param_kinds, value_diagnostics,
@@ -97,6 +98,12 @@ class UpdateConfig:
     """Weight of an entropy bonus on action tokens."""
     temperature: float = 1.0
     """T at which log-probs are recomputed; must equal the rollout engine's (SAO.md §3)."""
+    overlong: Overlong = "keep"
+    """Episodes cut at a token budget (finish reason length or context): keep (train them as any
+    other), mask (no policy gradient from them: DAPO's overlong filtering) or penalty (their
+    reward lowered by --update.overlong-penalty); learner/long_episodes.py."""
+    overlong_penalty: float = 1.0
+    """What `--update.overlong penalty` takes off a truncated episode's reward."""
     ppo_clip_eps: float = 0.2
     """ε of the PPO clip of `grpo` and `vapo`."""
     policy_epochs: int = 1
@@ -248,8 +255,10 @@ class SAOUpdate:
         self.step_count = 0
         self.rank_tokens = 0  # tokens this rank ran forward, over all steps: its shares
 
-    def step(self, trajs: list[Trajectory]) -> dict[str, float]:
-        """One learner step on a batch of scored trajectories; returns namespaced metrics."""
+    def step(self, trajs: list[Trajectory], masks: list[np.ndarray] | None = None) -> dict[str, float]:
+        """One learner step on a batch of scored trajectories; returns namespaced metrics. `masks`:
+        each trajectory's (T,) action tokens whose policy gradient counts (learner/long_episodes.py);
+        None: all of them."""
         cfg = self.cfg
         index, self.step_count = self.step_count, self.step_count + 1
         totals = np.array([token_rewards(t).sum() for t in trajs])  # (B,) outcome plus per-turn rewards
@@ -260,7 +269,7 @@ class SAOUpdate:
             return metrics | {"step/skipped": 1}
         plan = plan_step(trajs, self.rank, self.world, cfg.micro_batch_tokens, cfg.packed)
         self.rank_tokens += plan.rank_tokens
-        mbs = [self._micro_batch(trajs, rows) for rows in plan.micro_batches]
+        mbs = [self._micro_batch(trajs, rows, masks) for rows in plan.micro_batches]
         metrics |= {"perf/micro_batches": len(mbs), "perf/rank_tokens": plan.rank_tokens}
         # 2. advantages and critic targets, once, before any update
         metrics |= self.advantages(mbs, torch.tensor(totals, dtype=torch.float32), trajs, plan)
@@ -274,9 +283,10 @@ class SAOUpdate:
             mbs, plan, update=index >= self.settings.warmup_steps)
         return metrics | policy_metrics | {"step/skipped": int(not (critic_ok and policy_ok))}
 
-    def _micro_batch(self, trajs: list[Trajectory], rows: list[int]) -> MicroBatch:
+    def _micro_batch(self, trajs: list[Trajectory], rows: list[int], masks: list[np.ndarray] | None) -> MicroBatch:
         if rows:
-            return MicroBatch(batch=collate([trajs[i] for i in rows], device=self.device), rows=rows)
+            return MicroBatch(batch=collate([trajs[i] for i in rows], device=self.device,
+                                            masks=None if masks is None else [masks[i] for i in rows]), rows=rows)
         # a rank with fewer micro-batches still runs the collectives: the step's shortest
         # trajectory, with no action token, so it adds nothing to any loss, gradient or metric
         rows = [min(range(len(trajs)), key=lambda i: len(trajs[i].tokens))]
@@ -366,14 +376,14 @@ class SAOUpdate:
                 if self.settings.policy_loss == "ppo_clip":
                     if mb.logp_old is None:  # the first pass: these are the batch-start weights
                         mb.logp_old = logp.detach()
-                    loss, ppo = ppo_clip_policy_loss(logp, mb.logp_old, mb.adv, mask,
-                                                     cfg.ppo_clip_eps, cfg.loss_agg, **counts)
+                    loss, ppo = ppo_clip_policy_loss(logp, mb.logp_old, mb.adv, mask, cfg.ppo_clip_eps,
+                                                     cfg.loss_agg, trainable=b.train_mask, **counts)
                     stats.add({f"ppo/{k}": v for k, v in ppo.items()})
                     # grpo ignores π_rollout, but how far it drifted is still worth reporting
                     dis = ratio_stats(logp, b.logp_rollout, mask, eps_low, eps_high, plan.num_tokens)
                 else:
-                    loss, dis = dis_policy_loss(logp, b.logp_rollout, mb.adv, mask, eps_low,
-                                                eps_high, cfg.loss_agg, **counts)
+                    loss, dis = dis_policy_loss(logp, b.logp_rollout, mb.adv, mask, eps_low, eps_high,
+                                                cfg.loss_agg, trainable=b.train_mask, **counts)
                 # optional terms, skipped at 0 so an overflowing masked token cannot turn 0·inf into NaN
                 if cfg.kl_coef:
                     loss = loss + cfg.kl_coef * aggregate(k3_kl(logp, b.logp_rollout), mask,

@@ -64,6 +64,17 @@ class LearnerTail(Tail):
         return mean, (mean - sum(before) / len(before)) if before else math.nan
 
 
+def episode_line(m: dict) -> str:
+    """The last step's episodes: turns, tool calls, lengths and why they ended."""
+    if "episode/turns" not in m:
+        return "-"
+    ends = ", ".join(f"{k[4:]} {v:.0%}" for k, v in sorted(m.items()) if k.startswith("end/"))
+    return (f"{m['episode/turns']:.1f} turns, {m['episode/tool_calls']:.1f} tool calls "
+            f"({m['episode/tool_errors']:.1f} failed), response tokens p50/p90/max "
+            f"{m['episode/response_tokens_p50']:.0f}/{m['episode/response_tokens_p90']:.0f}/"
+            f"{m['episode/response_tokens_max']}, {m['episode/observation_tokens']:.0f} observation; ended: {ends}")
+
+
 def evaluation_line(results: list[dict]) -> str:
     """The held-out score of the newest evaluation against the first: `v20 0.62 (v0 0.41, +0.21)`."""
     if not results:
@@ -146,6 +157,7 @@ class Dashboard:
         t.add_row("explained variance", f("value/explained_var"))
         t.add_row("staleness p50 / p99", f"{f('stale/p50', '.1f')} / {f('stale/p99', '.1f')} versions")
         t.add_row("learner", f"{f('perf/tokens_per_s', '.0f')} tok/s, consumer lag {f('kafka/lag', 'd')}")
+        t.add_row("episodes", episode_line(m))
         t.add_row("held-out (sao eval)", evaluation_line(self.evaluations))
         t.add_row("dead letters", str(self.dlq))
         for name, (_, _, rate) in sorted(self.rates.items()):

@@ -1,8 +1,9 @@
 """`sao report RUN_DIR`: the end-of-run report of `sao up`, from what the run left on disk.
 
 Writes `RUN_DIR/report.png` (reward, critic explained variance overall and by third of the
-response, DIS kept fraction, staleness, learner throughput, consumer lag, and the held-out score of
-every evaluated version from `RUN_DIR/eval.jsonl`, one panel each, against the learner step) and
+response, DIS kept fraction, staleness, learner throughput, consumer lag, the held-out score of
+every evaluated version from `RUN_DIR/eval.jsonl`, the episodes' turns, tool calls and errors, lengths,
+observation tokens and why they ended, one panel each, against the learner step) and
 `RUN_DIR/summary.txt` (steps, wall time, first and last reward and the rise between the first and
 last five steps, trajectories trained, stale drops, staleness, dead letters, the held-out score of
 the first and last version evaluated, each process's fate from `RUN_DIR/processes.json` when
@@ -77,7 +78,15 @@ def summary(run_dir: Path, steps: list[dict], window: int) -> str:
                   f"DIS kept fraction, last step: {steps[-1].get('dis/kept_frac', math.nan):.4f}",
                   f"staleness p99, highest over the steps: {max(s.get('stale/p99', 0) for s in steps):.0f}",
                   f"dropped as stale: {steps[-1].get('count/stale', 0)}",
-                  f"dead letters counted by the learner: {steps[-1].get('count/dlq', 0)}"]
+                  f"dead letters counted by the learner: {steps[-1].get('count/dlq', 0)}",
+                  f"episodes, mean over steps: {_mean([s.get('episode/turns') for s in steps]):.2f} turns, "
+                  f"{_mean([s.get('episode/tool_calls') for s in steps]):.2f} tool calls "
+                  f"({_mean([s.get('episode/tool_errors') for s in steps]):.2f} failed), "
+                  f"{_mean([s.get('episode/response_tokens') for s in steps]):.0f} response tokens, of them "
+                  f"{_mean([s.get('episode/observation_tokens') for s in steps]):.0f} observation",
+                  "why episodes ended: " + ", ".join(
+                      f"{k[4:]} {_mean([s.get(k, 0.0) for s in steps]):.0%}"
+                      for k in sorted({k for s in steps for k in s if k.startswith("end/")}))]
     lines += evaluation_summary(load_evaluations(run_dir))
     meta = run_dir / "processes.json"
     if meta.exists():
@@ -94,7 +103,7 @@ def plot(run_dir: Path, steps: list[dict], window: int) -> Path:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(2, 4, figsize=(17, 6.5))
+    fig, axes = plt.subplots(3, 4, figsize=(17, 9.5))
     x = [s["step/index"] for s in steps]
     for ax, (key, title) in zip(axes.flat, PANELS):
         y = [s.get(key, math.nan) for s in steps]
@@ -111,8 +120,7 @@ def plot(run_dir: Path, steps: list[dict], window: int) -> Path:
         ax.set_title(title)
         ax.set_xlabel("learner step")
     evaluation_panel(axes.flat[len(PANELS)], load_evaluations(run_dir))
-    for ax in axes.flat[len(PANELS) + 1:]:
-        ax.axis("off")
+    episode_panels(axes.flat[len(PANELS) + 1:], steps)
     fig.suptitle(str(run_dir))
     fig.tight_layout()
     path = run_dir / "report.png"
@@ -131,6 +139,31 @@ def evaluation_panel(ax, results: list[dict]) -> None:
     if names:
         ax.legend(fontsize=7)
     ax.set_title("held-out score (sao eval)")
+    ax.set_xlabel("learner step")
+
+
+def episode_panels(axes, steps: list[dict]) -> None:
+    """What the episodes looked like, per learner step: turns and tool calls, lengths, the tokens
+    that were context only, and why they ended."""
+    x = [s["step/index"] for s in steps]
+    series = [("episode turns and tool calls (mean per episode)", ("episode/turns", "episode/tool_calls",
+                                                                   "episode/tool_errors")),
+              ("response tokens per episode", ("episode/response_tokens_p50", "episode/response_tokens_p90",
+                                               "episode/response_tokens_max")),
+              ("observation tokens (masked) and trained share", ("episode/observation_tokens",
+                                                                 "policy/trained_token_frac"))]
+    for ax, (title, keys) in zip(axes, series):
+        for key in keys:
+            ax.plot(x, [s.get(key, math.nan) for s in steps], lw=1, label=key.split("/")[-1])
+        ax.legend(fontsize=7)
+        ax.set_title(title)
+        ax.set_xlabel("learner step")
+    ends = sorted({k for s in steps for k in s if k.startswith("end/")})
+    ax = axes[len(series)]
+    if ends:
+        ax.stackplot(x, *[[s.get(k, 0.0) for s in steps] for k in ends], labels=[k[4:] for k in ends])
+        ax.legend(fontsize=7, loc="lower left")
+    ax.set_title("why episodes ended (share)")
     ax.set_xlabel("learner step")
 
 

@@ -8,7 +8,7 @@ warm-started model, not the base. The demonstrations come from the training spli
 (`--heldout-frac`, the feeder's and the evaluator's). The folder (config.json, model.safetensors,
 the tokenizer with its chat template, warmup.json with the figures) is written whole or not at
 all; a folder that already holds a finished warm-up of the same settings is reused (`--force`:
-train again).
+train again). Standard output is that folder's path alone; progress and figures go to stderr.
 """
 
 from __future__ import annotations
@@ -91,20 +91,21 @@ def run(cfg: WarmupConfig) -> Path:
 
     folder = cfg.folder
     if (folder / "warmup.json").is_file() and not cfg.force:
-        print(f"warm-up cached: {json.loads((folder / 'warmup.json').read_text())['summary']}\n{folder}")
+        say(f"warm-up cached: {json.loads((folder / 'warmup.json').read_text())['summary']}")
+        print(folder)
         return folder
     torch.set_num_threads(cfg.threads)
     tokenizer = load_tokenizer(cfg.model)
     env = make_env(cfg.env, tokenizer=tokenizer, sandbox=Sandbox(cfg.sandbox))
     demos = demonstrations(env, Chat(tokenizer), cfg.demos, cfg.heldout_frac, cfg.seed)
     tokens = sum(d.num_tokens for d in demos)
-    print(f"{len(demos)} demonstrations of {cfg.env}, {tokens} tokens ({sum(int(d.action_mask.sum()) for d in demos)} "
-          f"action tokens), turns {min(d.num_turns for d in demos)}-{max(d.num_turns for d in demos)}", flush=True)
+    say(f"{len(demos)} demonstrations of {cfg.env}, {tokens} tokens ({sum(int(d.action_mask.sum()) for d in demos)} "
+          f"action tokens), turns {min(d.num_turns for d in demos)}-{max(d.num_turns for d in demos)}")
     model = build_policy(ModelConfig(name=cfg.model))
     t0 = time.perf_counter()
     before = held_out_score(cfg, model, env, tokenizer)
-    print(f"base model on {cfg.eval_tasks} held-out tasks: greedy/mean {before['greedy/mean']:.3f} "
-          f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    say(f"base model on {cfg.eval_tasks} held-out tasks: greedy/mean {before['greedy/mean']:.3f} "
+        f"({time.perf_counter() - t0:.0f} s)")
     t0 = time.perf_counter()
     losses = warm_up(model, demos, cfg.sft, progress=lambda i, n, loss: print(
         f"\rstep {i}/{n} loss {loss:.3f}", end="" if i < n else "\n", file=sys.stderr, flush=True))
@@ -120,5 +121,11 @@ def run(cfg: WarmupConfig) -> Path:
         tokenizer.save_pretrained(tmp)
         (tmp / "warmup.json").write_text(json.dumps(record, indent=1, default=str))
     save(model, folder, extra)
-    print(f"{summary}\n{folder}")
+    say(summary)
+    print(folder)
     return folder
+
+
+def say(line: str) -> None:
+    """Progress on stderr: stdout is the folder alone, for `$(sao warmup)` in a Makefile."""
+    print(line, file=sys.stderr, flush=True)

@@ -78,10 +78,10 @@ class ToolSet:
 
 
 def python(code: str) -> str:
-    """Run Python in this episode's interpreter; variables persist between calls.
+    """Run Python; variables persist between calls.
 
     Args:
-        code: Python source; print what you want to see.
+        code: Python code; print the result.
     """
     raise NotImplementedError("the declaration the model is offered; `python_tools` binds it to a session")
 

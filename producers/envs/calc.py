@@ -30,7 +30,7 @@ from producers.envs.tools import CLOSE, OPEN, render_chat, tool_response, tool_s
 from producers.sandbox import Sandbox
 from schemas.messages import SchemaError
 
-SYSTEM = "Solve the problem with the python tool, one step per call. End with 'Answer: <integer>'."
+SYSTEM = "Use the python tool, one step per call, then reply 'Answer: <integer>'."
 NAMES = (("Ana", "she"), ("Ben", "he"), ("Chen", "he"), ("Dara", "she"), ("Eli", "he"), ("Fatima", "she"),
          ("Goro", "he"), ("Hana", "she"))
 ITEMS = ("coins", "marbles", "stamps", "cards", "beads", "apples")

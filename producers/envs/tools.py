@@ -22,8 +22,8 @@ from collections.abc import Callable
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
-HERMES_SYSTEM = ("Tools:\n<tools>\n{tools}\n</tools>\nCall one as <tool_call>{{\"name\": <name>, \"arguments\": "
-                 "{{...}}}}</tool_call>; the result comes in <tool_response></tool_response>.")
+HERMES_SYSTEM = ("Tools:\n<tools>\n{tools}\n</tools>\nCall one as <tool_call>{{\"name\": ..., \"arguments\": {{...}}}}"
+                 "</tool_call>; its result comes in <tool_response>.")
 
 
 def tool_schema(fn: Callable) -> dict:

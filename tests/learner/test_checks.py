@@ -11,7 +11,8 @@ import pytest
 
 from learner.checks import Trainable, untrainable
 from learner.failures import StepFailures
-from learner.source import TrajectorySource, staleness
+from learner.long_episodes import staleness
+from learner.source import TrajectorySource
 from schemas import topics as T
 from schemas.kafka import KafkaConfig, make_consumer, make_producer
 from schemas.messages import DeadLetter, Trajectory
@@ -65,7 +66,7 @@ def _fail(failures: StepFailures, ids: list[str]) -> None:
 
 def test_staleness_counts_updates_along_the_learners_line_not_version_numbers():
     def at(v: int) -> Trajectory:
-        return traj(versions=np.array([-1, -1, v, v + 1, -1, v], np.int32))  # oldest action token: v
+        return traj(versions=np.array([-1, -1, v, v, -1, v], np.int32))  # every action token: v
 
     assert staleness(8, at(3)) == 5
     # a restart restored version 3 and published it as 6: 4 and 5 were steps it replayed
@@ -114,7 +115,7 @@ def feed(src: TrajectorySource, trajs: list[Trajectory], partition: int = 0) -> 
 
 
 def form(src: TrajectorySource, step_index: int, batch: int = 4):
-    return src.next_step(step_index=step_index, staleness=lambda t: staleness(3, t), max_staleness=-1,
+    return src.next_step(step_index=step_index, staleness=lambda t: staleness(3, t), fresh=lambda t: 1.0, min_fresh_frac=0.0,
                          batch_trajectories=batch, batch_tokens=1 << 20, stop=threading.Event())
 
 
@@ -141,7 +142,7 @@ def test_group_baselines_train_only_whole_groups_and_release_a_late_partial_grou
     assert [e.traj.id for e in again.held["d"]] == ["d.0", "d.1"]
     stop = threading.Event()
     stop.set()  # nothing more arrives: at step 3 the group has waited 1 step, and the step stays open
-    assert again.next_step(step_index=3, staleness=lambda t: staleness(3, t), max_staleness=-1, batch_trajectories=2,
+    assert again.next_step(step_index=3, staleness=lambda t: staleness(3, t), fresh=lambda t: 1.0, min_fresh_frac=0.0, batch_trajectories=2,
                            batch_tokens=1 << 20, stop=stop) is None and set(again.held) == {"d"}
     assert sorted(form(again, 4, batch=2).ids) == ["d.0", "d.1"]  # waited 2 steps: trains partial
 
@@ -150,7 +151,7 @@ def test_a_poisoned_step_is_dead_lettered_whole_and_the_next_one_formed(kafka_cf
     src = source()
     src.kafka, src.dlq = kafka_cfg, make_producer(kafka_cfg)
     feed(src, [traj(id=f"t{i}") for i in range(8)])
-    step = src.next_step(step_index=0, staleness=lambda t: staleness(3, t), max_staleness=-1, batch_trajectories=4,
+    step = src.next_step(step_index=0, staleness=lambda t: staleness(3, t), fresh=lambda t: 1.0, min_fresh_frac=0.0, batch_trajectories=4,
                          batch_tokens=1 << 20, stop=threading.Event(),
                          poisoned=lambda ids: "boom" if "t0" in ids else None)
     assert step.ids == ["t4", "t5", "t6", "t7"] and src.counts["dead_step"] == 1
