@@ -11,7 +11,7 @@ export TRANSFORMERS_OFFLINE := 1
 # time in pip's cache (a CI run once ran out of disk installing them)
 export PIP_NO_CACHE_DIR := 1
 
-.PHONY: install run run-tiny test test-fast bench broker clean readme image
+.PHONY: install run run-tiny run-agent test test-fast bench broker clean readme image
 
 install: $(STAMP)
 
@@ -55,6 +55,16 @@ run: install
 
 run-tiny: install
 	$(VENV)/bin/sao up --model "$$($(PY) bench/pretrain.py --folder-only)" --run-dir runs/up-tiny
+
+# a tool-using agent (calc-agent: word problems solved with a stateful python tool in two to six turns):
+# SmolLM2-135M-Instruct first taught 100 of the env's own demonstrations (sao warmup: ~5 min once,
+# cached under runs/warmup), then trained with SAO through the whole pipeline while sao eval scores
+# held-out problems; bench/results/agent_run.md says what it reaches and how long it takes
+run-agent: install
+	folder=$$($(VENV)/bin/sao warmup --env calc-agent --model smollm2 --demos 100 --sft.epochs 1) && \
+	$(VENV)/bin/sao up --model "$$folder" --env calc-agent --producers 1 --batch-trajectories 8 --max-tokens 96 \
+	  --steps 12 --eval-every 6 --eval-tasks 32 --eval-samples 0 --heldout-frac 0.1 --run-dir runs/up-agent \
+	  --learner-flags="--update.warmup-steps 3 --update.lr-policy 2e-5 --update.lr-critic 5e-4 --update.micro-batch-tokens 1024"
 
 # docs/configuration.md: its reference, regenerated from the config dataclasses
 readme: install

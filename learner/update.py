@@ -283,7 +283,8 @@ class SAOUpdate:
             mbs, plan, update=index >= self.settings.warmup_steps)
         return metrics | policy_metrics | {"step/skipped": int(not (critic_ok and policy_ok))}
 
-    def _micro_batch(self, trajs: list[Trajectory], rows: list[int], masks: list[np.ndarray] | None) -> MicroBatch:
+    def _micro_batch(self, trajs: list[Trajectory], rows: list[int],
+                     masks: list[np.ndarray] | None = None) -> MicroBatch:
         if rows:
             return MicroBatch(batch=collate([trajs[i] for i in rows], device=self.device,
                                             masks=None if masks is None else [masks[i] for i in rows]), rows=rows)

@@ -16,6 +16,7 @@ from producers.demos import demonstrations, training_tasks
 from producers.envs import make_env
 from producers.envs.chat import Chat
 from producers.heldout import held_out
+from producers.sandbox import Sandbox
 from schemas.tokenizers import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_a_demonstration_is_laid_out_as_an_episode_of_its_task():
     tok = load_tokenizer("smollm2")
-    env = make_env("calc-agent", tokenizer=tok)
+    env = make_env("calc-agent", tokenizer=tok, sandbox=Sandbox())
     [demo] = demonstrations(env, Chat(tok), 1, heldout_frac=0.5, seed=3)
     assert not held_out(next(training_tasks(env, 1, 0.5, 3)), 0.5)
     text = tok.decode(demo.tokens.tolist())

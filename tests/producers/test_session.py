@@ -91,11 +91,12 @@ def test_close_kills_every_process_the_session_started_and_removes_its_cgroup(sa
     group = s._group
     assert set(_sandbox_pids(sandbox.cfg)) - before  # the interpreter and its escaped child
     s.close()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30  # a loaded machine reaps slowly
     while set(_sandbox_pids(sandbox.cfg)) - before and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not set(_sandbox_pids(sandbox.cfg)) - before
-    assert group is None or not any(d.exists() for d in group.dirs)
+    left = set(_sandbox_pids(sandbox.cfg)) - before
+    assert not left, {p: Path(f"/proc/{p}/cmdline").read_bytes() for p in left if Path(f"/proc/{p}").exists()}
+    assert group is None or not any(d.exists() for d in group.dirs), group.dirs
     with pytest.raises(RuntimeError, match="closed"):
         s.run("1")
 
