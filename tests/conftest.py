@@ -39,6 +39,7 @@ SLOW = [
     "producers/test_boundary.py",
     "producers/test_collective.py",
     "producers/test_concurrency.py",
+    "producers/test_eval.py",
     "producers/test_feeder.py",
     "producers/test_learner_model.py",
     "producers/test_models.py",
@@ -53,8 +54,10 @@ SLOW = [
     "test_broker_faults.py",
     "test_cli.py",
     "test_compose.py",
+    "test_long_episode.py",
     "test_misconfiguration.py",
     "test_up.py",
+    "test_warmup.py",
 ]
 """The modules of 25 s or more in the suite's run of 2026-12-02 (`pytest --durations=0`, 57 min in
 all): the compose, kill, multi-node, vLLM and pipeline tests and the longer Kafka ones. Without
