@@ -59,8 +59,8 @@ log = logging.getLogger(__name__)
 ANCHOR_ASK_EVERY_S = 10.0
 """Seconds between two anchor requests of one subscriber while the newest version stays out of reach."""
 
-__all__ = ["FollowConfig", "WeightSubscriber", "WeightsError", "learner_store", "local_path", "prune", "read_backlog",
-           "weights_reader"]
+__all__ = ["FollowConfig", "WeightSubscriber", "WeightsError", "decode_announcement", "learner_store", "local_path",
+           "prune", "read_backlog", "weights_reader"]
 
 
 @dataclass(kw_only=True)
@@ -128,6 +128,19 @@ def read_backlog(consumer, keep_anchors: int, decode: Callable[[object], Weights
         end, window = start, 4 * window
     consumer.assign([TopicPartition(tp.topic, 0, high)])
     return got
+
+
+def decode_announcement(msg) -> tuple[Weights | None, bool]:
+    """(the announcement `msg` holds, whether it was undecodable): (None, False) for no message or
+    a transient error; an undecodable one is logged, not dead-lettered (every reader of the topic
+    reads it: each would send its own copy)."""
+    if msg is None or consumer_error(msg):
+        return None, False
+    try:
+        return Weights.decode(msg.value() or b""), False
+    except SchemaError as e:
+        log.error("invalid weights announcement at offset %d: %s", msg.offset(), e)
+        return None, True
 
 
 def prune(history: list[Weights], keep_anchors: int) -> list[Weights]:
@@ -204,14 +217,9 @@ class WeightSubscriber:
             consumer.close()
 
     def _decode(self, msg) -> Weights | None:
-        if msg is None or consumer_error(msg):
-            return None
-        try:
-            return Weights.decode(msg.value() or b"")
-        except SchemaError as e:
-            self.counts["invalid"] += 1
-            log.error("invalid weights announcement at offset %d: %s", msg.offset(), e)
-            return None
+        w, invalid = decode_announcement(msg)
+        self.counts["invalid"] += invalid
+        return w
 
     def _backlog(self, consumer) -> list[Weights]:
         return read_backlog(consumer, self.keep_anchors, self._decode, self._stop, self.poll_s)

@@ -9,8 +9,10 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
+import pytest
 
 from sao.broker import BrokerConfig, EmbeddedBroker, free_port
 from sao.demo import random_trajectory
@@ -97,13 +99,23 @@ def _stopped(proc: subprocess.Popen) -> None:
     assert proc.wait(90) == 0, proc.stdout.read()[-2000:]
 
 
+def _node_log(data: Path, proc: subprocess.Popen, limit: int = 1500) -> str:
+    """What a node that did not come up was doing: its state and the tail of Kafka's own log."""
+    log = data / "broker.log"
+    tail = log.read_text(errors="replace")[-limit:] if log.exists() else "(no broker.log yet)"
+    return f"--- {data.name}: {'running' if proc.poll() is None else f'exited {proc.returncode}'}\n{tail}"
+
+
 def test_three_sao_broker_nodes_in_their_own_processes_form_one_cluster(tmp_path):
     """As docker-compose.cluster.yml runs them: `--node N` each, ports and quorum from --port."""
     port = free_ports(6)  # clients on port .. port + 2, controllers on port + 3 .. port + 5
     procs = [_serve("--brokers", "3", "--node", str(n), "--port", str(port), "--cluster-id", "c2FvLXRlc3QtY2x1c3Rlcg",
                     "--data-dir", str(tmp_path / f"n{n}")) for n in (1, 2, 3)]
     try:
-        wait_for_broker(f"127.0.0.1:{port}", timeout=180, brokers=3)
+        try:  # three JVMs, each formatting its log and then electing a quorum: minutes on a loaded 2-core machine
+            wait_for_broker(f"127.0.0.1:{port}", timeout=300, brokers=3)
+        except TimeoutError as e:
+            pytest.fail(f"{e}\n" + "\n".join(_node_log(tmp_path / f"n{n}", p) for n, p in zip((1, 2, 3), procs)))
         assert [f"127.0.0.1:{port + n}" in p.stdout.readline() for n, p in enumerate(procs)] == [True] * 3
         assert set(replication(f"127.0.0.1:{port + 2}").values()) == {(3, "2")}
         for p in procs:

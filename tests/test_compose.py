@@ -135,8 +135,26 @@ def _wait(what: str, cond, timeout: float, project: list[str]):
         if (value := cond()):
             return value
         time.sleep(2)
-    logs = _compose(*project, "logs", "--no-color", "--tail", "30", check=False).stdout
-    pytest.fail(f"timed out waiting for {what}\n{logs[-6000:]}")
+    pytest.fail(f"timed out waiting for {what}\n{_service_logs(project)}")
+
+
+def _up(run, project: list[str], *args: str) -> None:
+    """`up -d`, and where a service does not come up (an unhealthy Kafka node), each one's log."""
+    out = run("up", "-d", "--no-build", *args, timeout=900, check=False)
+    if out.returncode != 0:
+        pytest.fail(f"docker-compose up failed:\n{out.stderr[-3000:]}\n{_service_logs(project)}")
+
+
+def _service_logs(project: list[str], tail: int = 25, limit: int = 2500) -> str:
+    """Each service's state and the tail of its log, one block per service: a node or learner
+    that never came up says why, instead of scaled producers' waiting lines filling the message."""
+    states = _compose(*project, "ps", "-a", check=False).stdout
+    blocks = [states]
+    services = _compose(*project, "ps", "-a", "--services", check=False).stdout.split()
+    for svc in sorted(services, key=lambda s: s.startswith("producer")):  # producers, the noisiest, last
+        log = _compose(*project, "logs", "--no-color", "--tail", str(tail), svc, check=False).stdout
+        blocks.append(f"--- {svc}\n{log[-limit:]}")
+    return "\n".join(blocks)
 
 
 @pytest.mark.timeout(2400)
@@ -163,7 +181,7 @@ def test_cpu_topology_trains_survives_a_producer_sigkill_and_leaves_nothing(engi
     try:
         # the feeder only once every producer holds the learner's first weights: three hf producers on
         # a tiny model otherwise play all 160 prompts while vLLM's engine is still starting
-        run("up", "-d", "--no-build", "--scale", "producer=3", "--scale", "feeder=0", timeout=600)
+        _up(run, project, "--scale", "producer=3", "--scale", "feeder=0")
         ps = run("ps", "-q", "producer").stdout.split()
         assert len(ps) == 3, ps
         _wait("3 hf producers and the vLLM one on the learner's first weights",
@@ -251,9 +269,10 @@ def test_cluster_override_replicates_every_topic_and_loses_nothing_to_a_node_sig
 
     def steps() -> list[dict]:
         out = run("exec", "-T", "learner", "cat", "/runs/learner/metrics.jsonl", check=False).stdout
-        return [json.loads(line) for line in out.splitlines() if line.strip()]
+        # only whole lines: the learner may be writing the last one as `cat` reads it
+        return [json.loads(line) for line in out.split("\n")[:-1] if line.strip()]
     try:
-        run("up", "-d", "--no-build", timeout=600)
+        _up(run, project)
         assert set(replication(bootstrap).values()) == {(3, "2")}
         _wait("a learner step", lambda: len(steps()) >= 1, 600, project)
         [node] = run("ps", "-q", "kafka-2").stdout.split()

@@ -21,9 +21,9 @@ from pathlib import Path
 
 from producers.generate.base import Generator
 from producers.updates import Rebuilt, WeightsError, plan, rebuild, write_full
-from producers.weights import prune, read_backlog, weights_reader
-from schemas.kafka import KafkaConfig, consumer_error
-from schemas.messages import SchemaError, Weights
+from producers.weights import decode_announcement, prune, read_backlog, weights_reader
+from schemas.kafka import KafkaConfig
+from schemas.messages import Weights
 
 log = logging.getLogger(__name__)
 
@@ -101,14 +101,9 @@ class Versions:
         return chain[-1]
 
     def _decode(self, msg) -> Weights | None:
-        if msg is None or consumer_error(msg):
-            return None
-        try:
-            return Weights.decode(msg.value() or b"")
-        except SchemaError as e:
-            self.invalid += 1
-            log.error("invalid weights announcement at offset %d: %s", msg.offset(), e)
-            return None
+        w, invalid = decode_announcement(msg)
+        self.invalid += invalid
+        return w
 
     def close(self) -> None:
         self._stop.set()
