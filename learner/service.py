@@ -282,7 +282,7 @@ def run(cfg: LearnerConfig) -> None:
         if learner.source:  # the checkpoint's positions are loaded: join, alone, before writing anything shared
             learner.source.start().joined()
             # producers on `--model learner` build the architecture from it
-            learner.store.describe(learner.model_config, cfg.model.name)
+            learner.store.describe(learner.model_config, cfg.model.name, cfg.model.lora)
         learner.publish()  # version 0, or the restored version again (the same weights): producers ignore repeats
         while not cfg.max_steps or learner.update.step_count < cfg.max_steps:
             step = learner.next_trajectories(stop)

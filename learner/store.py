@@ -69,14 +69,16 @@ class WeightStore:
         found = self._versions()
         return found[-1][0] if found else -1
 
-    def describe(self, config, model: str) -> None:
+    def describe(self, config, model: str, lora=None) -> None:
         """Write what producers started with `--model learner` build before loading a version:
         `config.json` (the architecture) and `model.json` (the `--model.name` whose tokenizer
-        they load). Written at every start, so the store always describes the model it holds. The
-        weights are plain float32/bf16 tensors, so a GGUF source's quantization_config is left out."""
+        they load, and the LoRA rank and alpha `sao export` writes an adapter with). Written at
+        every start, so the store always describes the model it holds. The weights are plain
+        float32/bf16 tensors, so a GGUF source's quantization_config is left out."""
         fields = {k: v for k, v in json.loads(config.to_json_string()).items() if k != "quantization_config"}
+        described = {"name": model} | ({"lora": {"rank": lora.rank, "alpha": lora.alpha}} if lora else {})
         atomic_file(self.root / "config.json", lambda tmp: tmp.write_text(json.dumps(fields, indent=2)))
-        atomic_file(self.root / "model.json", lambda tmp: tmp.write_text(json.dumps({"name": model})))
+        atomic_file(self.root / "model.json", lambda tmp: tmp.write_text(json.dumps(described)))
 
     def _versions(self) -> list[tuple[int, Path]]:
         return _numbered(self.root, r"v(\d+)(?:\.delta)?\.safetensors")

@@ -25,6 +25,7 @@ from sao import report
 from sao.broker import BrokerConfig, cluster, embedded_unless_named, free_port
 from sao.dashboard import Dashboard
 from sao.supervisor import Supervisor
+from schemas.config import ConfigError
 from schemas.kafka import KafkaConfig, ensure_topics
 from schemas.process import stop_on_signals
 
@@ -78,6 +79,9 @@ class UpConfig:
     """Extra `sao eval` flags, space separated."""
     final_eval_s: float = 300.0
     """Seconds the evaluator gets, once the learner is done, to score the last version."""
+    export: bool = True
+    """At the end, write the newest version as a folder transformers and `vllm serve` load, to
+    <run-dir>/model (`sao export`)."""
     max_restarts: int = 3
     """Restarts of one crashed child before `sao up` gives up."""
     dashboard: bool = True
@@ -156,7 +160,8 @@ def supervise(cfg: UpConfig, sup: Supervisor, dash: Dashboard, stop) -> str | No
     return None
 
 
-RUN_STATE = ("learner", "weights", "joiner", "logs", "processes.json", "report.png", "summary.txt", "eval.jsonl")
+RUN_STATE = ("learner", "weights", "joiner", "logs", "processes.json", "report.png", "summary.txt", "eval.jsonl",
+             "model")
 """What one run leaves in its run dir."""
 
 
@@ -167,6 +172,18 @@ def last_evaluation(cfg: UpConfig, sup: Supervisor, dash: Dashboard) -> None:
     print(f"learner done: the evaluator scores the last version (up to {cfg.final_eval_s:.0f} s)", flush=True)
     sup.stop(["eval"], timeout=cfg.final_eval_s)
     dash.update([])
+
+
+def export_final(cfg: UpConfig) -> None:
+    """The newest version as a transformers folder in <run-dir>/model, and where it is."""
+    from producers.updates import WeightsError
+    from sao.export import from_weights, write
+
+    try:
+        policy = from_weights(cfg.kafka)
+        print(f"model: version {policy.version} exported to {write(policy, cfg.run_dir / 'model')}", flush=True)
+    except (ConfigError, WeightsError) as e:  # the run's results stand without it
+        print(f"model: not exported ({e})", flush=True)
 
 
 def start_afresh(run_dir: Path) -> None:
@@ -208,6 +225,8 @@ def run_up(cfg: UpConfig) -> None:
         if report.load_steps(cfg.run_dir):
             print(report.write(cfg.run_dir), end="")
             print(f"report: {cfg.run_dir / 'report.png'}", flush=True)
+    if failure is None and cfg.export:
+        export_final(cfg)
     if failure:
         raise SystemExit(f"sao up: {failure}; logs in {cfg.run_dir / 'logs'}")
 

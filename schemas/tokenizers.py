@@ -13,7 +13,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from schemas.models import BUILTIN_MODELS, cached_hub_file, check_model, smollm2_gguf
+from schemas.models import BUILTIN_MODELS, BYTES_MAX_POSITIONS, cached_hub_file, check_model, smollm2_gguf
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 """A folder (or cached hub model) with none of these has no tokenizer: a model over raw ids."""
@@ -76,8 +76,51 @@ class ByteTokenizer:
         text += "<|im_start|>assistant\n" if add_generation_prompt else ""
         return self.encode(text) if tokenize else text
 
+    def to_transformers(self):
+        """The same tokenizer as a transformers `PreTrainedTokenizerFast` (ids, special tokens and
+        chat template alike), for a model folder that `transformers` and `vllm serve` load
+        (`sao export`): a byte-level BPE with no merges, each byte its own id."""
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        alphabet = _byte_alphabet()
+        tok = Tokenizer(models.BPE(vocab={alphabet[b]: b for b in range(256)}, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens(list(self.special))  # ids 256.. in this order
+        return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|pad|>",
+                                       chat_template=CHATML_TEMPLATE, model_max_length=BYTES_MAX_POSITIONS)
+
 
 _TOOLS_HEADER = 'Tools (call one as <tool_call>{"name": ..., "arguments": {...}}</tool_call>):\n'
+
+CHATML_TEMPLATE = (
+    "{%- set ns = namespace(system='') -%}"
+    "{%- if tools -%}{%- set ns.system = '" + _TOOLS_HEADER.replace("\n", "\\n") + "' -%}"
+    "{%- for t in tools -%}{%- set ns.system = ns.system + (t | tojson) + ('\\n' if not loop.last else '') -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{%- if tools and messages[0]['role'] != 'system' -%}"
+    "{{- '<|im_start|>system\\n' + ns.system + '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{{- '<|im_start|>' + m['role'] + '\\n' + (m['content'] or '') -}}"
+    "{%- if loop.first and m['role'] == 'system' and tools -%}{{- '\\n\\n' + ns.system -}}{%- endif -%}"
+    "{%- for c in m.get('tool_calls') or [] -%}"
+    "{%- set args = c['function'].get('arguments', {}) -%}"
+    "{{- '<tool_call>{\"name\": ' + (c['function']['name'] | tojson) + ', \"arguments\": '"
+    " + (args if args is string else (args | tojson)) + '}</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+"""`ByteTokenizer.apply_chat_template` as a Jinja chat template (what transformers and vLLM
+render): the same text for the same messages and tools."""
+
+
+def _byte_alphabet() -> list[str]:
+    """GPT-2's printable stand-in for each byte, the alphabet of byte-level BPE."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
 
 
 def _tool_call(call: dict) -> str:

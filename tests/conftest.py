@@ -54,6 +54,7 @@ SLOW = [
     "test_broker_faults.py",
     "test_cli.py",
     "test_compose.py",
+    "test_export.py",
     "test_long_episode.py",
     "test_misconfiguration.py",
     "test_up.py",

@@ -1,6 +1,6 @@
 """`sao up` on the tiny model: every process starts, a producer SIGKILLed mid-run is reported and
 restarted, weights reach version 5, the report is a real PNG, and SIGTERM leaves no child behind;
-a run that ends has its first and last versions scored on held-out tasks."""
+a run that ends has its first and last versions scored on held-out tasks and its last exported."""
 
 from __future__ import annotations
 
@@ -92,6 +92,9 @@ def test_a_run_that_ends_scores_its_first_and_last_versions_on_held_out_tasks(ka
     summary = (tmp_path / "summary.txt").read_text()
     assert f"held-out greedy/mean (sao eval, {len(scored)} versions): v0" in summary, summary
     assert "process eval: stopped, 0 restart(s)" in summary, summary
+    assert f"model: version 7 exported to {tmp_path / 'model'}" in out.stdout, out.stdout[-2000:]
+    assert json.loads((tmp_path / "model" / "export.json").read_text())["version"] == 7
+    assert (tmp_path / "model" / "model.safetensors").is_file()
 
 
 def test_a_new_run_on_its_own_broker_removes_the_earlier_runs_state_and_nothing_else(tmp_path):

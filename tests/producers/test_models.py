@@ -67,3 +67,28 @@ def test_smollm2_plays_a_math_episode_with_chat_template_stop_token_and_exact_lo
         logp, _ = token_logprobs(model, batch, temperature=0.7)
     acted = batch.action_mask
     assert float((logp[acted] - batch.logp_rollout[acted]).abs().max()) < 1e-4
+
+
+def test_the_byte_tokenizer_as_a_transformers_tokenizer_gives_the_same_ids_and_chat_text():
+    """What `sao export` writes for tiny-llama-bytes: transformers and vLLM render the same ChatML,
+    tool listings and tool-call blocks, and encode them to the same ids."""
+    import json
+
+    byte = ByteTokenizer()
+    fast = byte.to_transformers()
+    tools = [{"type": "function", "function": {"name": "python", "description": "run code",
+                                               "parameters": {"type": "object", "properties": {"code": {"type": "string"}}}}}]
+    call = {"type": "function", "function": {"name": "python", "arguments": {"code": "print(1)"}}}
+    as_string = {"type": "function", "function": {"name": "python", "arguments": json.dumps({"code": "x = 'é'"})}}
+    chats = [([{"role": "user", "content": "héllo 7+8?"}], None),
+             ([{"role": "system", "content": "be brief"}, {"role": "user", "content": "x"}], tools),
+             ([{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+               {"role": "tool", "content": "1\n"}], tools),
+             ([{"role": "user", "content": "x"}, {"role": "assistant", "content": "ok", "tool_calls": [as_string]}], None)]
+    for messages, listed in chats:
+        for prompt in (True, False):
+            text = byte.apply_chat_template(messages, add_generation_prompt=prompt, tools=listed)
+            assert fast.apply_chat_template(messages, add_generation_prompt=prompt, tools=listed, tokenize=False) == text
+            ids = fast.encode(text, add_special_tokens=False)
+            assert ids == byte.encode(text) and fast.decode(ids) == text
+    assert (len(fast), fast.eos_token_id, fast.pad_token_id) == (byte.vocab_size, byte.eos_token_id, 259)
