@@ -22,6 +22,36 @@ def staleness_metrics(staleness: list[int]) -> dict:
             "stale/max": int(s.max()), "stale/hist": {str(k): v for k, v in sorted(Counter(s.tolist()).items())}}
 
 
+def env_metrics(trajs: list, totals: np.ndarray) -> dict:
+    """Per environment of the step (several train in one run): `env/<name>/reward` (mean total
+    reward), `/episodes`, `/response_tokens` (mean)."""
+    out = {}
+    for env in sorted({t.env for t in trajs}):
+        rows = [i for i, t in enumerate(trajs) if t.env == env]
+        out |= {f"env/{env}/reward": float(np.mean(totals[rows])), f"env/{env}/episodes": len(rows),
+                f"env/{env}/response_tokens": float(np.mean([trajs[i].num_tokens - trajs[i].prompt_len
+                                                             for i in rows]))}
+    return out
+
+
+def kept_by_env(kept, row_envs: list[str], envs: list[str]) -> dict:
+    """Counts to sum over micro-batches and ranks, per environment (`envs`, every rank the same
+    keys in the same order): its action tokens the DIS mask kept (`kept`, (b, T) bool, rows of
+    environments `row_envs`), and its action tokens; `kept_fracs` divides them once summed."""
+    out = {}
+    for env in envs:
+        rows = [i for i, e in enumerate(row_envs) if e == env]
+        out[f"env/{env}/dis_kept_tokens"] = kept[rows].sum()
+    return out
+
+
+def kept_fracs(summed: dict, acted: dict[str, int]) -> dict:
+    """`env/<name>/dis_kept_frac` from the summed counts of `kept_by_env` and each environment's
+    action tokens in the step; the counts themselves dropped."""
+    out = {k: v for k, v in summed.items() if not k.endswith("/dis_kept_tokens")}
+    return out | {f"env/{env}/dis_kept_frac": summed[f"env/{env}/dis_kept_tokens"] / max(n, 1) for env, n in acted.items()}
+
+
 def episode_metrics(trajs: list, masks: list[np.ndarray]) -> dict:
     """What the step's episodes looked like: `episode/turns`, `/tool_calls`, `/tool_errors`,
     `/observation_tokens` (context only, never trained), `/response_tokens` mean and p50/p90/max,

@@ -22,6 +22,7 @@ staleness filtering (the streaming learner drops stale trajectories before they 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -36,13 +37,14 @@ from torch.distributed.tensor import DTensor
 
 from learner.algorithms import Algorithm, AlgorithmSettings, algorithm_settings
 from learner.baselines import RunningMean, group_normalised_advantage
-from learner.dis import (PRESETS, LossAgg, aggregate, dis_policy_loss, k3_kl, ppo_clip_policy_loss,
-                         ratio_stats)
+from learner.dis import (PRESETS, LossAgg, aggregate, dis_keep, dis_policy_loss, dis_ratio, k3_kl,
+                         ppo_clip_policy_loss, ratio_stats)
 from learner.gae import adaptive_lambda, skip_observation_gae, whiten
 from learner.logprobs import Batch, collate, token_logprobs, token_rewards
 from learner.long_episodes import Overlong
 from learner.microbatch import StepPlan, StepStats, plan_step
 from learner.parallel import accumulate
+from learner.telemetry import env_metrics, kept_by_env, kept_fracs
 from learner.value import (ValueModel, critic_values, freeze_attention, param_kinds, value_diagnostics,
                            value_loss, value_moments_by_position)
 from schemas.messages import Trajectory
@@ -263,7 +265,7 @@ class SAOUpdate:
         index, self.step_count = self.step_count, self.step_count + 1
         totals = np.array([token_rewards(t).sum() for t in trajs])  # (B,) outcome plus per-turn rewards
         metrics = {"step/index": index, "reward/mean": float(totals.mean()), "step/skipped": 0,
-                   "step/policy_updated": 0, "step/critic_updates": 0}
+                   "step/policy_updated": 0, "step/critic_updates": 0} | env_metrics(trajs, totals)
         # 1. a NaN reward or a non-finite rollout log-prob poisons everything computed from it
         if not step_is_finite(trajs, totals):
             return metrics | {"step/skipped": 1}
@@ -280,7 +282,11 @@ class SAOUpdate:
             metrics |= critic_metrics
         # 4. one policy step, after the warm-up
         policy_ok, policy_metrics = self._policy_step(
-            mbs, plan, update=index >= self.settings.warmup_steps)
+            mbs, plan, update=index >= self.settings.warmup_steps, envs=[t.env for t in trajs])
+        acted = Counter()
+        for t in trajs:
+            acted[t.env] += int(t.action_mask.sum())
+        policy_metrics = kept_fracs(policy_metrics, acted)
         return metrics | policy_metrics | {"step/skipped": int(not (critic_ok and policy_ok))}
 
     def _micro_batch(self, trajs: list[Trajectory], rows: list[int],
@@ -352,18 +358,18 @@ class SAOUpdate:
         return applied == K, stats.reduce() | _by_kind("critic", by_kind) | {
             "grad_norm/critic": grad_norm, "step/critic_updates": applied}
 
-    def _policy_step(self, mbs: list[MicroBatch], plan: StepPlan,
-                     update: bool) -> tuple[bool, dict[str, float]]:
+    def _policy_step(self, mbs: list[MicroBatch], plan: StepPlan, update: bool,
+                     envs: list[str]) -> tuple[bool, dict[str, float]]:
         """`--update.policy-epochs` optimizer steps on the batch (one forward pass, no step, during
-        the critic warm-up); the metrics of the last."""
+        the critic warm-up); the metrics of the last. `envs`: each trajectory's environment."""
         for _ in range(self.cfg.policy_epochs if update else 1):
-            stepped, metrics = self._policy_pass(mbs, plan, update)
+            stepped, metrics = self._policy_pass(mbs, plan, update, envs)
             if not stepped:
                 break
         return stepped, metrics
 
-    def _policy_pass(self, mbs: list[MicroBatch], plan: StepPlan,
-                     update: bool) -> tuple[bool, dict[str, float]]:
+    def _policy_pass(self, mbs: list[MicroBatch], plan: StepPlan, update: bool,
+                     envs: list[str]) -> tuple[bool, dict[str, float]]:
         cfg, stats = self.cfg, StepStats()
         eps_low, eps_high = cfg.eps
         counts = dict(num_tokens=plan.num_tokens, num_seqs=plan.num_seqs)
@@ -395,8 +401,10 @@ class SAOUpdate:
                 loss.backward()
             stats.maximum({"dis/ratio_max": dis.pop("ratio_max")})
             stats.minimum({"dis/ratio_min": dis.pop("ratio_min")})
+            kept = dis_keep(dis_ratio(logp.detach(), b.logp_rollout), eps_low, eps_high) & mask
             stats.add({f"dis/{k}": v for k, v in dis.items()}
-                      | {"loss/policy": loss, "policy/entropy": _mean(entropy, mask, plan)})
+                      | {"loss/policy": loss, "policy/entropy": _mean(entropy, mask, plan)}
+                      | kept_by_env(kept, [envs[i] for i in mb.rows], sorted(set(envs))))
         metrics = {"grad_norm/policy": math.nan}
         if not update:  # critic warm-up: the policy stays bit-identical
             return True, stats.reduce() | metrics

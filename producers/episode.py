@@ -137,9 +137,9 @@ def env_step(bounds: Bounds, episode: Episode, action_ids: list[int]) -> Step:
 
 @dataclass(kw_only=True)
 class Player:
-    """Plays prompts of one environment on one generator."""
+    """Plays prompts of its environments (by the name each prompt carries) on one generator."""
 
-    env: object
+    envs: dict[str, object]
     generator: Generator
     params: SamplingParams
     producer_id: str
@@ -149,10 +149,10 @@ class Player:
 
     async def play(self, prompt: Prompt) -> Trajectory:
         """One episode of `prompt`; SchemaError when its env or task is not one this producer can play."""
-        if prompt.env != self.env.name:
-            raise SchemaError("env", f"this producer plays {self.env.name!r}, not {prompt.env!r}")
-        bounds = self.bounds or Bounds(plugin=f"env {self.env.name}")
-        episode = await call(bounds, "task", self.env.episode, prompt.task)  # the env could not start this task
+        if (env := self.envs.get(prompt.env)) is None:
+            raise SchemaError("env", f"this producer plays {sorted(self.envs)}, not {prompt.env!r}")
+        bounds = replace(self.bounds or Bounds(plugin=""), plugin=f"env {prompt.env}")
+        episode = await call(bounds, "task", env.episode, prompt.task)  # the env could not start this task
         if self.tool_s:
             episode = ToolLatency(episode, self.tool_s)
         ids = TrajectoryIds(id=prompt.trajectory_id, prompt_id=prompt.id, env=prompt.env,

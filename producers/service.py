@@ -47,7 +47,7 @@ from typing import Literal, Protocol
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from schemas.boundary import Bounds, call
-from producers.envs import build_env, check_env, env_factory, takes
+from producers.envs import build_env, check_env, env_factory, env_mixture, takes
 from producers.envs.text import TextEnv
 from producers.envs.chat import Chat
 from producers.episode import Player
@@ -82,8 +82,9 @@ class ProducerConfig:
     concurrency: int = 8
     """Episodes in flight at once; the generator batches their requests."""
     env: str = "toy-target"
-    """Environment this producer plays: a built-in name, an installed package's `sao.envs` entry
-    point, or module:attr (an Env, or a gym-style text env); prompts for another env go to the DLQ."""
+    """Environments this producer plays, comma-separated (weights as in `sao feed --env` are
+    ignored): each a built-in name, an installed package's `sao.envs` entry point, or module:attr
+    (an Env, or a gym-style text env); prompts for another env go to the DLQ."""
     reward: str = ""
     """module:function(task, text, trajectory) -> float | None giving each episode's outcome reward
     in place of the env's (None: to sao.trajectories.pending); empty: the env's own reward."""
@@ -143,7 +144,8 @@ class ProducerConfig:
     kafka: KafkaConfig = field(default_factory=KafkaConfig)
 
     def __post_init__(self):
-        env_factory(self.env)  # an unknown name or a plug-in that does not import fails here
+        for name in env_mixture(self.env):
+            env_factory(name)  # an unknown name or a plug-in that does not import fails here
         if self.concurrency < 1:
             raise ConfigError(f"--concurrency {self.concurrency}: must be >= 1")
         if not self.env_step_timeout > 0 or self.drain_s < 0 or self.max_lag < 0:
@@ -219,25 +221,27 @@ class PlaySettings(Protocol):
 
 
 def make_parts(cfg: PlaySettings, tokenizer) -> tuple:
-    """The environment (checked on one smoke task), the sampling params, and the --reward scorer
-    (None without one); the env gets the settings its constructor takes."""
+    """The environments of `--env` by name (each checked on one smoke task), the sampling params,
+    and the --reward scorer (None without one); each env gets the settings its constructor takes."""
     offered = {"tokenizer": lambda: tokenizer, "sandbox": lambda: Sandbox(cfg.sandbox),
                "max_turns": lambda: cfg.max_turns, "max_invalid_calls": lambda: cfg.max_invalid_calls,
                "deadline_s": lambda: cfg.episode_deadline_s}
-    env = build_env(cfg.env, offered)
-    for needs, flag in ((takes(env_factory(cfg.env), "tokenizer") or isinstance(env, TextEnv), f"--env {cfg.env}"),
-                        (bool(cfg.reward), f"--reward {cfg.reward}")):
-        if needs and tokenizer is None:  # else every prompt would be dead-lettered
+    envs = {name: build_env(name, offered) for name in env_mixture(cfg.env)}
+    needs = [(takes(env_factory(name), "tokenizer") or isinstance(env, TextEnv), f"--env {name}")
+             for name, env in envs.items()]
+    for needed, flag in (*needs, (bool(cfg.reward), f"--reward {cfg.reward}")):
+        if needed and tokenizer is None:  # else every prompt would be dead-lettered
             raise ConfigError(f"{flag} needs a tokenizer and --model {cfg.model} has none "
                               "(try tiny-llama-bytes or smollm2)")
-    check_env(env)  # an env that needs the tokenizer and has none was refused above
+    for env in envs.values():
+        check_env(env)  # an env that needs the tokenizer and has none was refused above
     score = scorer(cfg.reward, tokenizer) if cfg.reward else None
     stops = Chat(tokenizer).stop_token_ids() if tokenizer is not None else ()
     try:
         params = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens, stop_token_ids=stops)
     except ValueError as e:  # "temperature: must be ..." names the flag
         raise ConfigError(f"--{e}".replace("_", "-", 1)) from None
-    return env, params, score
+    return envs, params, score
 
 
 def env_bounds(cfg: PlaySettings, generator: Generator) -> Bounds:
@@ -288,7 +292,7 @@ def run(cfg: ProducerConfig, stop: threading.Event | None = None) -> None:
         # no version until the learner's loads
         generator, model = learner_generator(backend, store, seed=cfg.seed, device=cfg.device, vllm=cfg.vllm)
         log.info("--model learner: %s's architecture from %s", model, store)
-    env, params, score = make_parts(cfg, load_tokenizer(model))  # a misconfiguration fails before Kafka is asked
+    envs, params, score = make_parts(cfg, load_tokenizer(model))  # a misconfiguration fails before Kafka is asked
     ensure_topics(cfg.kafka)
     if generator is None:
         if cfg.backend == "auto":
@@ -297,7 +301,7 @@ def run(cfg: ProducerConfig, stop: threading.Event | None = None) -> None:
         else:
             backend = cfg.backend
         generator = make_generator(cfg, backend)
-    player = Player(env=env, generator=generator, params=params, producer_id=cfg.producer_id,
+    player = Player(envs=envs, generator=generator, params=params, producer_id=cfg.producer_id,
                     tool_s=cfg.sim.tool_s if backend == "sim" else 0.0, bounds=env_bounds(cfg, generator))
     metrics = ProducerMetrics(cfg.producer_id, cfg.metrics_port, cfg.log_every_s)
     holds_weights = backend in ("hf", "vllm") or cfg.server_swaps  # reads the files: verify them first
@@ -316,7 +320,7 @@ def run(cfg: ProducerConfig, stop: threading.Event | None = None) -> None:
         if generator.version < 0:
             raise ConfigError("--model learner: none of the learner's announced weights loaded (see the log)")
         log.info("producer %s: %s backend, env %s, %d episodes in flight, weights v%d", cfg.producer_id,
-                 backend, env.name, cfg.concurrency, generator.version)
+                 backend, ",".join(envs), cfg.concurrency, generator.version)
         done = asyncio.run(Service(cfg, offsets, producer, player, metrics, sub, stop, score).run())
     finally:
         producer.flush(5)  # dead letters; undelivered trajectories are abandoned (their prompts redelivered)

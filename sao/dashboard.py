@@ -76,15 +76,21 @@ def episode_line(m: dict) -> str:
 
 
 def evaluation_line(results: list[dict]) -> str:
-    """The held-out score of the newest evaluation against the first: `v20 0.62 (v0 0.41, +0.21)`."""
+    """The held-out score of the newest evaluation against the first: `v20 0.62 (v0 0.41, +0.21)`,
+    per environment (`env: …; env: …`) where several are evaluated."""
     if not results:
         return "-"
-    name, value = headline(results[-1])
-    line = f"v{results[-1]['version']} {name} {value:.3f}"
-    if len(results) > 1:
-        first = headline(results[0])[1]
-        line += f" (v{results[0]['version']} {first:.3f}, {value - first:+.3f})"
-    return line
+    envs = list(dict.fromkeys(r.get("env", "") for r in results))
+    lines = []
+    for env in envs:
+        scored = [r for r in results if r.get("env", "") == env]
+        name, value = headline(scored[-1])
+        line = f"{env + ': ' if len(envs) > 1 else ''}v{scored[-1]['version']} {name} {value:.3f}"
+        if len(scored) > 1:
+            first = headline(scored[0])[1]
+            line += f" (v{scored[0]['version']} {first:.3f}, {value - first:+.3f})"
+        lines.append(line)
+    return "; ".join(lines)
 
 
 def scrape(port: int) -> dict[str, float]:

@@ -35,8 +35,11 @@ class ReportConfig:
 
 
 def load_steps(run_dir: Path) -> list[dict]:
-    path = run_dir / "learner" / "metrics.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines() if x.endswith("}")] if path.exists() else []
+    """The learner's step records, each step once: a restarted learner replays the steps after its
+    checkpoint, and the replay's record is the step its policy holds (sao/audit.py)."""
+    from sao.audit import lineage, metrics_lines
+
+    return lineage(metrics_lines(run_dir / "learner"))
 
 
 def load_evaluations(run_dir: Path) -> list[dict]:
@@ -46,14 +49,36 @@ def load_evaluations(run_dir: Path) -> list[dict]:
 
 
 def evaluation_summary(results: list[dict]) -> list[str]:
-    """The held-out score of the first and the last version evaluated, and the change."""
-    if not results:
+    """The held-out score of the first and the last version evaluated, and the change; one line
+    per environment where the run evaluated several."""
+    envs = list(dict.fromkeys(r.get("env", "") for r in results))
+    lines = []
+    for env in envs:
+        scored = [r for r in results if r.get("env", "") == env]
+        first, last = scored[0], scored[-1]
+        name, before = headline(first)
+        after = headline(last)[1]
+        on = f" on {env}" if len(envs) > 1 else ""
+        lines.append(f"held-out {name}{on} (sao eval, {len(scored)} versions): v{first['version']} {before:.3f} -> "
+                     f"v{last['version']} {after:.3f} ({after - before:+.3f})")
+    return lines
+
+
+def environment_summary(steps: list[dict], window: int) -> list[str]:
+    """Per environment, where the run trained several: episodes, reward of the first and last
+    steps, response length, DIS kept fraction of the last step that had the env."""
+    envs = sorted({k.split("/")[1] for s in steps for k in s if k.startswith("env/") and k.endswith("/reward")})
+    if len(envs) < 2:
         return []
-    first, last = results[0], results[-1]
-    name, before = headline(first)
-    after = headline(last)[1]
-    return [f"held-out {name} (sao eval, {len(results)} versions): v{first['version']} {before:.3f} -> "
-            f"v{last['version']} {after:.3f} ({after - before:+.3f})"]
+    lines = []
+    for env in envs:
+        had = [s for s in steps if f"env/{env}/reward" in s]
+        rewards = [s[f"env/{env}/reward"] for s in had]
+        lines.append(f"env {env}: {sum(s[f'env/{env}/episodes'] for s in had)} episodes in {len(had)} steps, "
+                     f"reward {_mean(rewards[:window]):+.3f} -> {_mean(rewards[-window:]):+.3f}, "
+                     f"{_mean([s.get(f'env/{env}/response_tokens') for s in had]):.0f} response tokens, "
+                     f"DIS kept {had[-1].get(f'env/{env}/dis_kept_frac', math.nan):.4f}")
+    return lines
 
 
 def _mean(xs: list[float]) -> float:
@@ -87,6 +112,7 @@ def summary(run_dir: Path, steps: list[dict], window: int) -> str:
                   "why episodes ended: " + ", ".join(
                       f"{k[4:]} {_mean([s.get(k, 0.0) for s in steps]):.0%}"
                       for k in sorted({k for s in steps for k in s if k.startswith("end/")}))]
+    lines += environment_summary(steps, window)
     lines += evaluation_summary(load_evaluations(run_dir))
     meta = run_dir / "processes.json"
     if meta.exists():

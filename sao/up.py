@@ -7,11 +7,20 @@ crashes is reported and restarted, at most `--max-restarts` times each (a produc
 the others meanwhile; the learner resumes from its checkpoint). The run ends when the learner has
 trained `--steps` steps, or on Ctrl-C / SIGTERM; every child is stopped, none is left behind, and
 `report.png` plus `summary.txt` are written to `--run-dir` (`sao report RUN_DIR` redoes them).
+
+A run continues where it stopped with `sao up --resume RUN_DIR`, after Ctrl-C, SIGTERM or a SIGKILL
+of the whole process tree: on its own broker the Kafka data lives in RUN_DIR/kafka, so the same
+topics come back with every prompt, trajectory, weight announcement and evaluation, every group's
+committed position; the learner restores its newest checkpoint (steps past it are replayed, never
+trained twice), producers go on from their group's committed prompts, the evaluator from what
+sao.evaluations says it scored, the feeder with new tasks; metrics, evaluations and logs are
+appended to and the report covers the whole run. The run's settings come from RUN_DIR/up.json.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -86,6 +95,9 @@ class UpConfig:
     """Restarts of one crashed child before `sao up` gives up."""
     dashboard: bool = True
     """Live dashboard when the output is a terminal (else a progress line every 10 s)."""
+    resume: Path | None = None
+    """Continue the run stopped in this run dir, with the settings it started with (its up.json),
+    instead of starting a new one."""
     kafka: KafkaConfig = field(default_factory=embedded_unless_named)
     """The cluster; an empty `--kafka.bootstrap` (the default) starts an embedded broker."""
     broker: BrokerConfig = field(default_factory=lambda: BrokerConfig(port=0))
@@ -105,7 +117,7 @@ def backend_line(backend: str) -> str:
                                                "else hf (each producer's log says which)")
 
 
-def commands(cfg: UpConfig, ports: dict[str, int]) -> dict[str, list[str]]:
+def commands(cfg: UpConfig, ports: dict[str, int], feed_seed: int = 0) -> dict[str, list[str]]:
     """Each child's command line; `ports` names a Prometheus port for each producer and the evaluator."""
     kafka = ["--kafka.bootstrap", cfg.kafka.bootstrap, "--kafka.topic-prefix", cfg.kafka.topic_prefix]
     lag = ["--max-lag", str(round(cfg.max_lag_steps * cfg.batch_trajectories))]
@@ -129,7 +141,7 @@ def commands(cfg: UpConfig, ports: dict[str, int]) -> dict[str, list[str]]:
                             "--out", str(cfg.run_dir / "eval.jsonl"), "--evaluator-id", "eval",
                             "--metrics-port", str(ports["eval"]), *reward, *cfg.eval_flags.split(), *kafka)
     cmds["feeder"] = _sao("feed", "--env", cfg.env, "--max-unfinished", str(4 * cfg.batch_trajectories),
-                          "--group-size", str(cfg.group_size), "--heldout-frac", str(cfg.heldout_frac), *lag, *kafka)
+                          "--group-size", str(cfg.group_size), "--heldout-frac", str(cfg.heldout_frac), "--seed", str(feed_seed), *lag, *kafka)
     return cmds
 
 
@@ -161,7 +173,7 @@ def supervise(cfg: UpConfig, sup: Supervisor, dash: Dashboard, stop) -> str | No
 
 
 RUN_STATE = ("learner", "weights", "joiner", "logs", "processes.json", "report.png", "summary.txt", "eval.jsonl",
-             "model")
+             "model", "kafka", "up.json")
 """What one run leaves in its run dir."""
 
 
@@ -198,12 +210,13 @@ def start_afresh(run_dir: Path) -> None:
 
 def run_up(cfg: UpConfig) -> None:
     ensure_topics(cfg.kafka)
-    cfg.run_dir.mkdir(parents=True, exist_ok=True)
     ports = {f"producer-{i}": free_port() for i in range(cfg.producers)} | {"eval": free_port()}
     # one thread per process unless told otherwise: N processes each taking every core thrash
     env = {"OMP_NUM_THREADS": "1", **os.environ, "SAO_LOG_LEVEL": os.environ.get("SAO_LOG_LEVEL", "INFO"),
            "PYTHONUNBUFFERED": "1"}
-    sup = Supervisor(commands(cfg, ports), cfg.run_dir / "logs", env, cfg.max_restarts,
+    # a resumed run's feeder draws new tasks: its generator seeded past what was published
+    sup = Supervisor(commands(cfg, ports, feed_seed=prompts_published(cfg.kafka)), cfg.run_dir / "logs", env,
+                     cfg.max_restarts,
                      {"learner": {"OMP_NUM_THREADS": str(cfg.learner_threads)}})
     dash = Dashboard(sup, cfg.run_dir, {n: p for n, p in ports.items() if n.startswith("producer-")}, cfg.kafka,
                      cfg.steps)
@@ -231,8 +244,65 @@ def run_up(cfg: UpConfig) -> None:
         raise SystemExit(f"sao up: {failure}; logs in {cfg.run_dir / 'logs'}")
 
 
+SETTINGS_KEPT_APART = ("resume", "dashboard", "kafka", "broker")
+"""UpConfig fields a resumed run does not take from up.json: how it is watched, and where Kafka is
+(own broker: RUN_DIR/kafka again; a named cluster: up.json's unless named again)."""
+
+
+def save_settings(cfg: UpConfig) -> None:
+    """RUN_DIR/up.json: what `--resume` continues with."""
+    settings = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in SETTINGS_KEPT_APART}
+    kafka = {"bootstrap": cfg.kafka.bootstrap, "topic_prefix": cfg.kafka.topic_prefix}
+    (cfg.run_dir / "up.json").write_text(json.dumps({"settings": settings, "kafka": kafka}, indent=1, default=str))
+
+
+def resumed(cfg: UpConfig) -> UpConfig:
+    """`cfg` with the settings of the run in `cfg.resume`; ConfigError if there is none to go on."""
+    run_dir = Path(cfg.resume)
+    try:
+        saved = json.loads((run_dir / "up.json").read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"--resume {run_dir}: no up.json there; not the run dir of a `sao up` run") from None
+    types = {f.name: f.type for f in dataclasses.fields(UpConfig)}
+    settings = {k: Path(v) if "Path" in str(types[k]) else v for k, v in saved["settings"].items() if k in types}
+    out = dataclasses.replace(cfg, **settings)
+    out.run_dir = run_dir  # the folder given, wherever the run was started from
+    if not cfg.kafka.bootstrap:
+        out.kafka.bootstrap, out.kafka.topic_prefix = saved["kafka"]["bootstrap"], saved["kafka"]["topic_prefix"]
+    if not out.kafka.bootstrap and not (run_dir / "kafka").is_dir():
+        raise ConfigError(f"--resume {run_dir}: its broker's data (kafka/) is gone; the run cannot continue")
+    return out
+
+
+def prompts_published(kafka: KafkaConfig) -> int:
+    """Prompts ever published on the run's prompts topic (0 on a new run)."""
+    from confluent_kafka import TopicPartition
+
+    from schemas import topics as T
+    from schemas.kafka import make_consumer
+    from schemas.retry import retrying
+
+    consumer = make_consumer(kafka, f"sao-up-{os.getpid()}")
+    try:
+        topic = kafka.topic(T.PROMPTS)
+        parts = consumer.list_topics(topic, timeout=30).topics[topic].partitions
+        # a partition's leader may not be elected yet on a broker just (re)started
+        return sum(retrying(lambda: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30))[1]
+                   for p in parts)
+    finally:
+        consumer.close()
+
+
 def run(cfg: UpConfig) -> None:
-    if not cfg.kafka.bootstrap:  # our own broker, new and empty: nothing of an earlier run resumes
+    if cfg.resume is not None:
+        cfg = resumed(cfg)
+        print(f"sao up: resuming the run in {cfg.run_dir}", flush=True)
+    elif not cfg.kafka.bootstrap:  # our own broker, new and empty: nothing of an earlier run resumes
         start_afresh(cfg.run_dir)
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    if not cfg.kafka.bootstrap and cfg.broker.data_dir is None:  # kept with the run, for --resume
+        cfg.broker.data_dir = cfg.run_dir / "kafka"
+    if cfg.resume is None:
+        save_settings(cfg)
     with cluster(cfg.kafka, cfg.broker):
         run_up(cfg)

@@ -56,6 +56,7 @@ SLOW = [
     "test_compose.py",
     "test_export.py",
     "test_long_episode.py",
+    "test_resume.py",
     "test_misconfiguration.py",
     "test_up.py",
     "test_warmup.py",

@@ -252,7 +252,9 @@ def _dead_prompts(bootstrap: str) -> set[str]:
 def test_cluster_override_replicates_every_topic_and_loses_nothing_to_a_node_sigkill(engine):
     """docker-compose.cluster.yml: three Kafka containers (`sao broker --node N`), the topics with
     three replicas and min.insync.replicas 2; one node's process SIGKILLed mid-run (Docker restarts
-    it) and `sao audit`, run in the learner's container, accounts for every prompt."""
+    it) and `sao audit`, run in the learner's container, accounts for every prompt; then the stack is
+    taken down without -v and brought up again: the learner resumes from its checkpoint on the same
+    volumes and the audit still accounts for every prompt, nothing trained twice."""
     from tests.cluster_util import free_ports, replication
 
     t0 = time.monotonic()
@@ -283,7 +285,17 @@ def test_cluster_override_replicates_every_topic_and_loses_nothing_to_a_node_sig
         audit = run("exec", "-T", "learner", "sao", "audit", "--run-dir", "/runs/learner", check=False)
         assert audit.returncode == 0, audit.stdout[-3000:] + audit.stderr[-2000:]
         assert int(inspect("{{.RestartCount}}")) >= 1, "the killed Kafka node was not restarted"
-        print(f"\ncompose cluster: image {built_s:.0f} s; kafka-2 SIGKILLed after step 1, restarted; "
-              f"total {time.monotonic() - t0:.0f} s\n{audit.stdout}", flush=True)
+
+        # taken down without -v and brought up again: the same volumes, so the run goes on where it was
+        run("down", "--timeout", "30", timeout=300)
+        _up(run, project)
+        _wait("the learner resumed from its checkpoint",
+              lambda: "resumed at step" in run("logs", "--no-color", "learner", check=False).stdout, 600, project)
+        _wait("the restarted feeder's 32 prompts trained too",  # a generator feed: 32 new prompts
+              lambda: sum(len(s["trajectory_ids"]) for s in steps()) >= 64, 600, project)
+        resumed = run("exec", "-T", "learner", "sao", "audit", "--run-dir", "/runs/learner", check=False)
+        assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-2000:]
+        print(f"\ncompose cluster: image {built_s:.0f} s; kafka-2 SIGKILLed after step 1, restarted; down and up "
+              f"again, resumed; total {time.monotonic() - t0:.0f} s\n{audit.stdout}\n{resumed.stdout}", flush=True)
     finally:
         _compose(*project, "down", "-v", "--remove-orphans", "--timeout", "30", env=env, check=False, timeout=300)

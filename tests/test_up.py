@@ -1,6 +1,6 @@
 """`sao up` on the tiny model: every process starts, a producer SIGKILLed mid-run is reported and
 restarted, weights reach version 5, the report is a real PNG, and SIGTERM leaves no child behind;
-a run that ends has its first and last versions scored on held-out tasks and its last exported."""
+a run of two environments has its first and last versions scored on each and its last exported."""
 
 from __future__ import annotations
 
@@ -76,10 +76,13 @@ def test_up_restarts_a_killed_producer_reports_and_stops_every_child(kafka_cfg, 
     assert report.returncode == 0 and "learner steps:" in report.stdout, report.stderr
 
 
-def test_a_run_that_ends_scores_its_first_and_last_versions_on_held_out_tasks(kafka_cfg, tmp_path):
+def test_a_run_of_two_environments_scores_first_and_last_versions_on_each_and_reports_each(kafka_cfg, tmp_path):
+    """A single-turn and a multi-turn environment trained together: the feeder mixes them, the one
+    producer plays both, the learner reports each one's reward, lengths and DIS kept fraction, the
+    evaluator scores each."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SAO_LOG_LEVEL": "WARNING",
            "SAO_KAFKA_BOOTSTRAP": kafka_cfg.bootstrap, "SAO_KAFKA_TOPIC_PREFIX": kafka_cfg.topic_prefix}
-    cmd = [sys.executable, "-m", "sao", "up", "--steps", "8", "--producers", "1", "--env", "toy-multiturn",
+    cmd = [sys.executable, "-m", "sao", "up", "--steps", "8", "--producers", "1", "--env", "toy-target=1,toy-multiturn=1",
            "--model", "tiny-llama", "--batch-trajectories", "4", "--max-tokens", "4", "--run-dir", str(tmp_path),
            "--eval-every", "4", "--eval-tasks", "3", "--eval-samples", "2", "--heldout-frac", "0.2",
            "--learner-flags=--update.warmup-steps 1 --update.lr-policy 3e-3 --update.lr-critic 3e-3"]
@@ -87,10 +90,20 @@ def test_a_run_that_ends_scores_its_first_and_last_versions_on_held_out_tasks(ka
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     steps = [json.loads(x) for x in (tmp_path / "learner" / "metrics.jsonl").read_text().splitlines()]
     scored = [json.loads(x) for x in (tmp_path / "eval.jsonl").read_text().splitlines()]
-    assert scored[0]["version"] == 0 and scored[-1]["version"] == steps[-1]["weights/version"] == 7, scored
-    assert {s["split"] for s in scored} == {"heldout"} and {"greedy/mean", "sampled/pass@2"} <= set(scored[0])
+    envs = ("toy-target", "toy-multiturn")
+    for name in envs:  # toy-target holds nothing out (too few tasks): its split is all of it
+        mine = [s for s in scored if s["env"] == name]
+        assert mine[0]["version"] == 0 and mine[-1]["version"] == steps[-1]["weights/version"] == 7, scored
+        assert {"greedy/mean", "sampled/pass@2"} <= set(mine[0])
+        assert len({s["version"] for s in mine}) == len(mine)  # each version once per env
+    assert {s["split"] for s in scored if s["env"] == "toy-multiturn"} == {"heldout"}
+    trained = [i for s in steps for i in s["trajectory_ids"]]
+    assert all(any(i.startswith(f"{name}-") for i in trained) for name in envs), trained
+    per_env = {k for s in steps for k in s if k.startswith("env/")}
+    assert {f"env/{n}/{m}" for n in envs for m in ("reward", "episodes", "response_tokens", "dis_kept_frac")} <= per_env
+    assert all(0 <= s[f"env/{n}/dis_kept_frac"] <= 1 for s in steps for n in envs if f"env/{n}/reward" in s)
     summary = (tmp_path / "summary.txt").read_text()
-    assert f"held-out greedy/mean (sao eval, {len(scored)} versions): v0" in summary, summary
+    assert all(f"held-out greedy/mean on {n} (sao eval" in summary and f"env {n}: " in summary for n in envs), summary
     assert "process eval: stopped, 0 restart(s)" in summary, summary
     assert f"model: version 7 exported to {tmp_path / 'model'}" in out.stdout, out.stdout[-2000:]
     assert json.loads((tmp_path / "model" / "export.json").read_text())["version"] == 7

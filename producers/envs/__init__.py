@@ -30,6 +30,23 @@ ENVS["calc-agent"] = CalcAgentEnv  # tools declared as functions, called in JSON
 GROUP = "sao.envs"
 
 
+def env_mixture(spec: str, flag: str = "--env") -> dict[str, float]:
+    """The environments of `--env NAME[=WEIGHT],...` and their weights (1 where not given): a run
+    plays several environments at once, the feeder draws each prompt's env by weight, producers
+    play any of them."""
+    mixture: dict[str, float] = {}
+    for item in (x.strip() for x in spec.split(",")):
+        name, _, weight = item.partition("=")
+        try:
+            w = float(weight) if weight else 1.0
+        except ValueError:
+            w = -1.0
+        if not name or not (w > 0 and w < float("inf")) or name in mixture:
+            raise ConfigError(f"{flag} {spec!r}: give NAME[=WEIGHT],... with distinct names and weights > 0")
+        mixture[name] = w
+    return mixture
+
+
 def env_factory(name: str, flag: str = "--env") -> Callable:
     """The class or factory function `name` names."""
     if name in ENVS:

@@ -28,14 +28,14 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
 from confluent_kafka import TopicPartition
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from producers.envs import env_factory
+from producers.envs import env_factory, env_mixture
 from producers.evaluate.scores import headline
 from producers.evaluate.suite import Suite, figures
 from producers.evaluate.versions import Versions, due, final
@@ -60,7 +60,9 @@ log = logging.getLogger(__name__)
 @dataclass(kw_only=True)
 class EvalConfig:
     env: str = "toy-target"
-    """Environment evaluated: a built-in name, a `sao.envs` entry point or module:attr, as `sao producer --env`."""
+    """Environments evaluated, comma-separated (weights as in `sao feed --env` are ignored), each a
+    built-in name, a `sao.envs` entry point or module:attr, as `sao producer --env`; each version
+    is scored on each, one result per environment."""
     name: str = "heldout"
     """Name of this evaluation (its tasks and settings); a restart skips the versions scored under it."""
     every: int = 5
@@ -118,7 +120,8 @@ class EvalConfig:
     kafka: KafkaConfig = field(default_factory=KafkaConfig)
 
     def __post_init__(self):
-        env_factory(self.env)  # an unknown name or a plug-in that does not import fails here
+        for env in env_mixture(self.env):
+            env_factory(env)  # an unknown name or a plug-in that does not import fails here
         for name, low in (("every", 1), ("tasks", 1), ("samples", 0), ("max_evaluations", 0), ("max_turns", 1)):
             if getattr(self, name) < low:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(self, name)}")
@@ -150,15 +153,15 @@ def suite_tasks(cfg: EvalConfig, env) -> tuple[list[dict], str]:
     frac = split_frac(env, cfg.heldout_frac)
     if cfg.dataset:
         errors: list[str] = []
-        rows = [p.task for p in load_rows(Path(cfg.dataset), cfg.env, errors) if p.env == cfg.env]
+        rows = [p.task for p in load_rows(Path(cfg.dataset), env.name, errors) if p.env == env.name]
         tasks = [t for t in rows if frac <= 0 or held_out(t, frac)][:cfg.tasks]
         if not tasks:
-            raise ConfigError(f"--dataset {cfg.dataset}: no held-out row of env {cfg.env} at --heldout-frac "
+            raise ConfigError(f"--dataset {cfg.dataset}: no held-out row of env {env.name} at --heldout-frac "
                               f"{cfg.heldout_frac} ({len(rows)} rows of it)")
     else:
         tasks = evaluation_tasks(env, cfg.tasks, frac, cfg.seed)
     if len(tasks) < cfg.tasks:
-        log.warning("%d distinct evaluation tasks of %s, not the %d asked for", len(tasks), cfg.env, cfg.tasks)
+        log.warning("%d distinct evaluation tasks of %s, not the %d asked for", len(tasks), env.name, cfg.tasks)
     return tasks, "heldout" if frac > 0 else "all"
 
 
@@ -188,7 +191,7 @@ class EvalMetrics:
 
     def __init__(self, port: int):
         self.registry = r = CollectorRegistry()
-        self.score = Gauge("sao_eval_score", "Last evaluation's figures", ["metric"], registry=r)
+        self.score = Gauge("sao_eval_score", "Last evaluation's figures", ["env", "metric"], registry=r)
         self.version = Gauge("sao_eval_version", "Version of the last evaluation", registry=r)
         self.seconds = Gauge("sao_eval_seconds", "Wall time of the last evaluation", registry=r)
         self.evaluations = Counter("sao_eval_evaluations", "Versions scored", registry=r)
@@ -197,7 +200,7 @@ class EvalMetrics:
 
     def record(self, e: Evaluation) -> None:
         for name, value in e.metrics.items():
-            self.score.labels(name).set(value)
+            self.score.labels(e.env, name).set(value)
         self.version.set(e.version)
         self.seconds.set(e.seconds)
         self.evaluations.inc()
@@ -208,13 +211,15 @@ class EvalMetrics:
 
 
 class Evaluator:
-    """Loads a version, plays the suite, publishes the result."""
+    """Loads a version, plays each environment's suite, publishes one result per environment."""
 
-    def __init__(self, cfg: EvalConfig, suite: Suite, versions: Versions, producer, metrics: EvalMetrics):
-        self.cfg, self.suite, self.versions, self.producer, self.metrics = cfg, suite, versions, producer, metrics
+    def __init__(self, cfg: EvalConfig, suites: dict[str, Suite], versions: Versions, producer,
+                 metrics: EvalMetrics):
+        self.cfg, self.suites, self.versions, self.producer, self.metrics = cfg, suites, versions, producer, metrics
 
-    def evaluate(self, version: int) -> Evaluation | None:
-        """Score `version`; None if it cannot be loaded (logged and counted, never retried)."""
+    def evaluate(self, version: int, envs: list[str]) -> bool:
+        """Score `version` on the suites of `envs`; False if it cannot be loaded (logged and
+        counted, never retried)."""
         t0 = time.perf_counter()
         try:
             announced = self.versions.load(version)
@@ -223,14 +228,16 @@ class Evaluator:
         except (WeightsError, ValueError, OSError) as e:
             log.error("version %d not evaluated: %s", version, e)
             self.metrics.skipped.inc()
-            return None
-        played = asyncio.run(self.suite.play(version))
-        result = Evaluation(version=version, step=announced.step, env=self.cfg.env, suite=self.cfg.name,
-                            split=self.suite.split, num_tasks=len(self.suite.tasks), samples=self.cfg.samples,
-                            metrics=figures(self.cfg, played, version), evaluator=self.cfg.evaluator_id,
-                            seconds=time.perf_counter() - t0)
-        self.publish(result)
-        return result
+            return False
+        for env in envs:
+            suite = self.suites[env]
+            played = asyncio.run(suite.play(version))
+            self.publish(Evaluation(version=version, step=announced.step, env=env, suite=self.cfg.name,
+                                    split=suite.split, num_tasks=len(suite.tasks), samples=self.cfg.samples,
+                                    metrics=figures(self.cfg, played, version), evaluator=self.cfg.evaluator_id,
+                                    seconds=time.perf_counter() - t0))
+            t0 = time.perf_counter()
+        return True
 
     def publish(self, e: Evaluation) -> None:
         topic = self.cfg.kafka.topic(T.EVALUATIONS)
@@ -249,8 +256,8 @@ class Evaluator:
             with open(self.cfg.out, "a") as f:
                 f.write(json.dumps(line) + "\n")
         name, value = headline(e.metrics)
-        log.info("eval %s v%d (step %d): %s %.3f over %d tasks in %.1f s; %s", e.suite, e.version, e.step, name,
-                 value, e.num_tasks, e.seconds, " ".join(f"{k}={v:.3f}" for k, v in sorted(e.metrics.items())))
+        log.info("eval %s %s v%d (step %d): %s %.3f over %d tasks in %.1f s; %s", e.suite, e.env, e.version, e.step,
+                 name, value, e.num_tasks, e.seconds, " ".join(f"{k}={v:.3f}" for k, v in sorted(e.metrics.items())))
 
 
 def run(cfg: EvalConfig, stop: threading.Event | None = None) -> int:
@@ -267,27 +274,38 @@ def run(cfg: EvalConfig, stop: threading.Event | None = None) -> int:
     generator, model = learner_generator(backend, store, seed=cfg.seed, device=cfg.device, vllm=cfg.vllm)
     versions = producer = None
     try:
-        env, params, score = make_parts(cfg, load_tokenizer(model))
-        tasks, split = suite_tasks(cfg, env)
-        suite = Suite(cfg=cfg, env=env, generator=generator, tasks=tasks, split=split, stops=params.stop_token_ids,
-                      score=score, bounds=env_bounds(cfg, generator))
-        settled = scored_versions(cfg.kafka, cfg.name, cfg.env)
+        envs, params, score = make_parts(cfg, load_tokenizer(model))
+        bounds, suites = env_bounds(cfg, generator), {}
+        for name, env in envs.items():
+            tasks, split = suite_tasks(cfg, env)
+            suites[name] = Suite(cfg=cfg, env=env, generator=generator, tasks=tasks, split=split,
+                                 stops=params.stop_token_ids, score=score, bounds=replace(bounds, plugin=f"env {name}"))
+            log.info("eval %s: %d tasks of %s (split %s)", cfg.name, len(tasks), name, split)
+        # a version is settled once every environment has its score (a restart scores only the missing)
+        scored = {name: scored_versions(cfg.kafka, cfg.name, name) for name in suites}
         versions, producer = Versions(cfg.kafka, generator), make_producer(cfg.kafka)
-        evaluator = Evaluator(cfg, suite, versions, producer, metrics)
-        log.info("eval %s: %s backend, %d tasks of %s (split %s), %s%d samples each, every %d versions; %d scored "
-                 "before", cfg.name, backend, len(tasks), cfg.env, split, "greedy + " if cfg.greedy else "", cfg.samples,
-                 cfg.every, len(settled))
+        evaluator = Evaluator(cfg, suites, versions, producer, metrics)
+
+        def settled() -> set[int]:
+            return set.intersection(*scored.values())
+
+        def evaluate(v: int) -> bool:
+            done = evaluator.evaluate(v, [name for name in suites if v not in scored[name]])
+            for versions_scored in scored.values():
+                versions_scored.add(v)
+            return done
+        log.info("eval %s: %s backend, %s%d samples each, every %d versions; %d scored before", cfg.name, backend,
+                 "greedy + " if cfg.greedy else "", cfg.samples, cfg.every, len(settled()))
         n = 0
         while not stop.is_set() and not (cfg.max_evaluations and n >= cfg.max_evaluations):
             versions.poll(0.5)
-            if (v := due(versions.announced, settled, cfg.every, versions.first)) is not None:
-                n += evaluator.evaluate(v) is not None
-                settled.add(v)
+            if (v := due(versions.announced, settled(), cfg.every, versions.first)) is not None:
+                n += evaluate(v)
         if stop.is_set() and cfg.final_on_stop:
             versions.poll(1.0)
-            if (v := final(versions.announced, settled)) is not None:
+            if (v := final(versions.announced, settled())) is not None:
                 log.info("stopping: scoring the newest version, v%d, first", v)
-                n += evaluator.evaluate(v) is not None
+                n += evaluate(v)
         return n
     finally:
         if producer is not None:

@@ -76,7 +76,7 @@ def figures(cfg: EvalConfig, played: dict[int, list[Trajectory | None]], version
             raise RuntimeError(f"evaluation of v{version}: episode {traj.id} has tokens of versions "
                                f"{sorted(set(acted.tolist()))}; the engine changed weights mid-evaluation")
         if traj.reward is None:
-            raise ConfigError(f"--env {cfg.env} gives no reward of its own: give sao eval --reward module:function")
+            raise ConfigError(f"--env {traj.env} gives no reward of its own: give sao eval --reward module:function")
     rewards = {t: [0.0 if x is None else x.reward for x in row] for t, row in played.items()}
     metrics = {}
     if cfg.greedy:

@@ -47,7 +47,7 @@ from confluent_kafka import TopicPartition
 
 from schemas.boundary import Bounds, call_sync
 from producers.feeder.datasets import dataset_prompts, load_rows
-from producers.envs import env_factory, make_env
+from producers.envs import env_factory, env_mixture, make_env
 from producers.heldout import MAX_DRAWS_PER_TASK, held_out, split_frac
 from schemas.retry import retrying
 from schemas import topics as T
@@ -66,7 +66,8 @@ MAX_BAD_TASKS = 100
 class FeedConfig:
     env: str = "toy-target"
     """Environment of the prompts (and their generator when no --dataset is given): a built-in
-    name, a `sao.envs` entry point or module:attr, as `sao producer --env` takes it."""
+    name, a `sao.envs` entry point or module:attr, as `sao producer --env` takes it; or a mixture
+    `NAME=WEIGHT,...` whose generators each prompt is drawn from by weight (no --dataset then)."""
     dataset: str = ""
     """JSONL or Parquet file of prompts (row schema: producers/feeder/datasets.py); empty: sample tasks
     from the environment."""
@@ -104,9 +105,13 @@ class FeedConfig:
     kafka: KafkaConfig = field(default_factory=KafkaConfig)
 
     def __post_init__(self):
-        env_factory(self.env)  # an unknown name or a plug-in that does not import fails here
-        if not self.dataset and not callable(getattr(make_env(self.env), "sample_task", None)):
-            raise ConfigError(f"--env {self.env}: has no sample_task(rng) to make prompts from; give it --dataset")
+        mixture = env_mixture(self.env)
+        if self.dataset and len(mixture) > 1:
+            raise ConfigError(f"--env {self.env}: a --dataset feeds one env (its rows may name their own)")
+        for name in mixture:
+            env_factory(name)  # an unknown name or a plug-in that does not import fails here
+            if not self.dataset and not callable(getattr(make_env(name), "sample_task", None)):
+                raise ConfigError(f"--env {name}: has no sample_task(rng) to make prompts from; give it --dataset")
         for name in ("max_unfinished", "epochs", "group_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -155,6 +160,19 @@ def prompts_from_env(env_name: str, seed: int, errors: list[str], timeout_s: flo
             continue
         failures = 0
         yield prompt
+
+
+def prompts_from_envs(spec: str, seed: int, errors: list[str], heldout_frac: float = 0.0) -> Iterator[Prompt]:
+    """Prompts of the mixture `spec` (producers.envs.env_mixture): each drawn from one env's
+    generator, the env chosen by weight; one env alone is its generator."""
+    mixture = env_mixture(spec)
+    streams = [prompts_from_env(name, seed + i, errors, heldout_frac=heldout_frac) for i, name in enumerate(mixture)]
+    if len(streams) == 1:
+        yield from streams[0]
+        return
+    rng = random.Random(f"mixture-{seed}")
+    while True:
+        yield next(rng.choices(streams, weights=list(mixture.values()))[0])
 
 
 def fan_out(prompt: Prompt, group_size: int) -> list[Prompt]:
@@ -221,7 +239,7 @@ def groups(cfg: FeedConfig, errors: list[str], start: int = 0,
     if cfg.dataset:
         tasks = dataset_prompts(training_rows(cfg, errors), cfg.epochs, cfg.seed, cfg.shuffle)
     else:
-        tasks = prompts_from_env(cfg.env, cfg.seed, errors, heldout_frac=cfg.heldout_frac)
+        tasks = prompts_from_envs(cfg.env, cfg.seed, errors, heldout_frac=cfg.heldout_frac)
     for position, prompt in itertools.islice(enumerate(tasks), start, None):
         yield position, [p for p in fan_out(prompt, cfg.group_size) if (position, p.sample) not in published]
 

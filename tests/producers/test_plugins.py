@@ -149,9 +149,10 @@ def test_text_env_trains_the_sampled_ids_with_template_tokens_between_them():
     Recording.actions.clear()
     cfg = ProducerConfig(env="tests.producers.test_plugins:Recording", max_turns=5, **BYTES)
     tok = load_tokenizer(cfg.model)
-    env, params, _ = make_parts(cfg, tok)
+    envs, params, _ = make_parts(cfg, tok)
+    env = envs[cfg.env]
     assert env.name == cfg.env and not hasattr(env, "sample_task")  # no sampler: a dataset feeds it
-    player = Player(env=env, generator=make_generator(cfg), params=params, producer_id="t")
+    player = Player(envs=envs, generator=make_generator(cfg), params=params, producer_id="t")
     traj = asyncio.run(player.play(Prompt(id="p", env=cfg.env, task={"say": "hi"})))
     chat, ids, mask = Chat(tok), traj.tokens.tolist(), traj.action_mask
     spans = np.split(np.arange(len(ids)), np.flatnonzero(np.diff(mask)) + 1)
@@ -253,8 +254,8 @@ def test_a_reward_that_fails_an_episode_dead_letters_that_prompt_and_the_produce
 def test_a_raw_id_env_plug_in_gets_the_smoke_check_too():
     with pytest.raises(ConfigError, match="found \\[2.5\\]"):
         make_parts(ProducerConfig(env="tests.producers.test_plugins:NonIntTokens", model="tiny-llama"), None)
-    env, _, _ = make_parts(ProducerConfig(env="toy-multiturn", model="tiny-llama"), None)
-    assert env.name == "toy-multiturn"
+    envs, _, _ = make_parts(ProducerConfig(env="toy-multiturn", model="tiny-llama"), None)
+    assert [env.name for env in envs.values()] == ["toy-multiturn"]
 
 
 class Brittle(Recording):
@@ -266,8 +267,8 @@ class Brittle(Recording):
 
 def test_a_text_env_that_raises_costs_its_episode_not_the_producer():
     cfg = ProducerConfig(env="tests.producers.test_plugins:Brittle", **BYTES)
-    env, params, _ = make_parts(cfg, load_tokenizer(cfg.model))
-    player = Player(env=env, generator=make_generator(cfg), params=params, producer_id="t")
+    envs, params, _ = make_parts(cfg, load_tokenizer(cfg.model))
+    player = Player(envs=envs, generator=make_generator(cfg), params=params, producer_id="t")
     with pytest.raises(SchemaError, match="step: ZeroDivisionError: division by zero in the user's scorer"):
         asyncio.run(player.play(Prompt(id="p", env=cfg.env, task={"say": "hi"})))
 
@@ -301,8 +302,9 @@ class TokenEnv:
                                           ("floats", r"env.step.observation: expected int token ids")])
 def test_a_token_env_step_that_fails_costs_its_episode_not_the_producer(mode, reason):
     cfg = ProducerConfig(env="tests.producers.test_plugins:TokenEnv", max_tokens=2, follow_weights=False)
-    env, params, _ = make_parts(cfg, None)
+    envs, params, _ = make_parts(cfg, None)
+    env = envs[cfg.env]
     env.mode = mode
-    player = Player(env=env, generator=make_generator(cfg), params=params, producer_id="t")
+    player = Player(envs=envs, generator=make_generator(cfg), params=params, producer_id="t")
     with pytest.raises(SchemaError, match=reason):
         asyncio.run(player.play(Prompt(id="p", env=cfg.env, task={"n": 1})))
