@@ -49,6 +49,7 @@ SLOW = [
     "producers/test_vllm.py",
     "producers/test_vllm_pipeline.py",
     "producers/test_weights.py",
+    "test_adapters.py",
     "test_audit.py",
     "test_broker.py",
     "test_broker_faults.py",

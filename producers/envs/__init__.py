@@ -12,6 +12,8 @@ import random
 from collections.abc import Callable, Mapping
 from functools import partial
 
+from producers.envs.adapters import ADAPTERS, ToolClassEnv, is_tool_class
+from producers.envs.agent import AgentLimits
 from producers.envs.calc import CalcAgentEnv
 from producers.envs.math import MathEnv
 from producers.envs.pending import WritingEnv
@@ -48,9 +50,14 @@ def env_mixture(spec: str, flag: str = "--env") -> dict[str, float]:
 
 
 def env_factory(name: str, flag: str = "--env") -> Callable:
-    """The class or factory function `name` names."""
+    """The class or factory function `name` names (SCHEME://REST: an adapter's, producers/envs/adapters.py)."""
     if name in ENVS:
         return ENVS[name]
+    scheme, sep, rest = name.partition("://")
+    if sep:
+        if scheme not in ADAPTERS:
+            raise ConfigError(f"{flag} {name!r}: unknown scheme {scheme!r}; adapters: {sorted(ADAPTERS)}")
+        return partial(ADAPTERS[scheme], rest)
     spec = name if ":" in name else entry_point(GROUP, name)
     if spec is None:
         raise ConfigError(f"{flag} {name!r}: unknown env; built in: {sorted(ENVS)}; installed ({GROUP} entry "
@@ -74,6 +81,10 @@ def build_env(name: str, offered: Mapping[str, Callable[[], object]], flag: str 
     if is_text_env(env):
         made = {k: offered[k]() for k in ("tokenizer", "max_turns") if k in offered}
         return TextEnv(name=name, first=env, make=partial(factory, **kw), **made)
+    if is_tool_class(env):  # TRL-style: reset(**task) and tools as methods
+        limits = {k: offered[k]() for k in ("max_turns", "max_invalid_calls", "deadline_s") if k in offered}
+        return ToolClassEnv(name=name, first=env, make=partial(factory, **kw), limits=AgentLimits(**limits),
+                            tokenizer=offered["tokenizer"]() if "tokenizer" in offered else None)
     if name not in ENVS:
         env.name = name
     return env

@@ -58,6 +58,11 @@ class TextEpisode:
         ids = [] if done else self.chat.observation_ids(action_ids, observation)
         return Step(observation=ids, reward=reward, done=done)
 
+    def close(self) -> None:
+        """The text env's own close (a Gymnasium env's, an OpenEnv session's), however the episode ended."""
+        if callable(close := getattr(self.user, "close", None)):
+            close()
+
 
 class TextEnv:
     """An `Env` over a text env's factory; `first` is the instance the factory made at start."""
