@@ -89,7 +89,7 @@ def main() -> None:
                 kafka=KafkaConfig(bootstrap=kafka.bootstrap, topic_prefix=f"stability-{algorithm}"))
             if algorithm == "running_mean":
                 # the feeder gives every prompt a fresh id, so a per-prompt history would stay
-                # empty and every advantage 0: the global window of SAO.md §7's online setting
+                # empty and every advantage 0: the global window of docs/algorithm.md §7's online setting
                 cfg.learner_flags += " --update.running-mean-scope global"
             t0 = time.monotonic()
             run_up(cfg)

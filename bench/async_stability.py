@@ -1,4 +1,4 @@
-"""Stability under asynchrony (SAO.md §6, §8): every method trained with rollouts exactly s versions
+"""Stability under asynchrony (docs/algorithm.md §6, §8): every method trained with rollouts exactly s versions
 old, s ∈ {0, 2, 4, 8}, from the trained starting point of bench/pretrain.py, with collapse detected.
 
 The staleness is controlled, not left to timing: the in-process loop of bench/loop.py keeps the last

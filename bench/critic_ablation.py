@@ -1,7 +1,7 @@
 """Does the critic learn? `sao` against `sao_k1` (one critic step) and `sao_full_critic` (critic
 attention trains) on the trained start of bench/pretrain.py, dense (tiny Llama) and tiny-MoE
 (tiny Qwen3-MoE), on `toy-target`; plus, on the dense model, the knobs other SAO ports found
-necessary (SAO.md §9) and the random start every earlier run used (SAO.md §5, §8).
+necessary (docs/algorithm.md §9) and the random start every earlier run used (docs/algorithm.md §5, §8).
 
 Every run is bench/loop.py's in-process loop: on-policy rollouts, `--batch` single-rollout
 trajectories per step. Prints and writes (`--out`, default bench/results/critic_ablation.md and

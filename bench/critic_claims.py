@@ -1,4 +1,4 @@
-"""The paper's critic claims (SAO.md §5, §8) on SmolLM2-135M-Instruct, a real pretrained LLM:
+"""The paper's critic claims (docs/algorithm.md §5, §8) on SmolLM2-135M-Instruct, a real pretrained LLM:
 
 1. the value model's gradient norms are far more volatile than the policy's;
 2. the volatility comes from its attention layers;

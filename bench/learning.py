@@ -1,4 +1,4 @@
-"""Learning curves of SAO against grpo_dis, running_mean and grpo on the toy tasks (SAO.md §7, §8).
+"""Learning curves of SAO against grpo_dis, running_mean and grpo on the toy tasks (docs/algorithm.md §7, §8).
 
 Every method sees the same number of trajectories per step (`--batch`, default 16): the
 single-rollout methods (sao, running_mean) get 16 prompts × 1 rollout, the GRPO variants

@@ -1,7 +1,7 @@
 """The in-process training loop the learning benchmarks share (bench/learning.py,
 bench/async_stability.py, bench/critic_ablation.py): a policy (and critic) trained by `SAOUpdate`,
 rollouts played on the toy tasks by a separate `HFGenerator` whose weights are copied from the
-learner's, with staleness under control instead of left to timing (SAO.md §6).
+learner's, with staleness under control instead of left to timing (docs/algorithm.md §6).
 
 Versions count learner steps: the policy before step t is version t. Step t's rollouts come from
 version t − lag(t), clamped at 0, with lag(t) = `staleness` + (t mod `sync_every`): `staleness` s

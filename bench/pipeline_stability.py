@@ -1,4 +1,4 @@
-"""Stability through the real pipeline on SmolLM2 (SAO.md §6, §8): SAO against GRPO+DIS and the
+"""Stability through the real pipeline on SmolLM2 (docs/algorithm.md §6, §8): SAO against GRPO+DIS and the
 running-mean baseline, each trained by `sao up` (Kafka, vLLM producers, the judge and the reward
 joiner, the streaming learner) with rollouts allowed to run `--max-lag-steps` learner steps ahead,
 so that they arrive about that many versions old.
@@ -8,7 +8,7 @@ is the same comparison where timing sets the lag: the `make run` task (`writing`
 `concise` judge), its learning rates, and `--max-lag-steps 4` instead of 2. Every method sees
 `--batch` trajectories a step; `grpo_dis` as groups of `--group-size` rollouts of one prompt, the
 others one rollout per prompt. running_mean's baseline is the mean of the last 128 rewards of any
-prompt (`--update.running-mean-scope global`, SAO.md §7's online setting): the feeder gives every
+prompt (`--update.running-mean-scope global`, docs/algorithm.md §7's online setting): the feeder gives every
 task a fresh prompt id, so a per-prompt history would never see a prompt twice and train nothing.
 
 Budget: on 2 CPU cores a SmolLM2 step takes ~25-45 s, so the default of 20 steps per method is

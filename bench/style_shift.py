@@ -1,4 +1,4 @@
-"""Online learning under a shifting reward (SAO.md §8): the rewarded writing style changes twice.
+"""Online learning under a shifting reward (docs/algorithm.md §8): the rewarded writing style changes twice.
 
 Per method (SAO with its critic; `running_mean`, window 128, global), the whole live-reward path
 runs as `sao` processes on one broker and fresh topics: the `writing` feeder and producer publish

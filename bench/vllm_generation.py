@@ -4,7 +4,7 @@
    engines) and the hf backend (float32); targets: vllm ÷ hf at N = 16 >= 3, vllm N = 16 ÷ N = 1 >= 6;
 2. |log p_rollout − log p_learner| per sampled token, each engine against the learner's float32
    forward (transformers, the same weights), and the DIS kept fraction that implies at SAO's two
-   presets (reasoning 0.7 < r < 6, coding 0.2 < r < 4; SAO.md §3), for a policy that has not moved;
+   presets (reasoning 0.7 < r < 6, coding 0.2 < r < 4; docs/algorithm.md §3), for a policy that has not moved;
 3. the pause a weight update causes (the engine stopped between decode steps), apart from the whole
    update (checking, then staging while the engine decodes on: reading, and on CPU re-packing a
    shadow of the model), with requests in flight.
@@ -39,7 +39,7 @@ from producers.generate.vllm import VLLMConfig, VLLMGenerator  # noqa: E402
 from producers.models import engine_folder, load_model  # noqa: E402
 from schemas.tokenizers import load_tokenizer  # noqa: E402
 
-PRESETS = {"reasoning": (0.3, 5.0), "coding": (0.8, 3.0)}  # (eps_low, eps_high), SAO.md §3
+PRESETS = {"reasoning": (0.3, 5.0), "coding": (0.8, 3.0)}  # (eps_low, eps_high), docs/algorithm.md §3
 
 
 def kept(gaps_signed: np.ndarray, eps: tuple[float, float]) -> float:

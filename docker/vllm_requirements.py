@@ -6,7 +6,7 @@ images the project installs it on), minus what the project installs otherwise:
   own `torch==2.13.0` is the same release, and the wheel's kernels load against it);
 - torchaudio, torchvision, torchcodec (audio and vision inputs; text generation imports none);
 - the lower bound of huggingface_hub (>=1.31 needs click>=8.4, which faust's click<8.4 pin rules
-  out; vLLM 0.32 runs on the project's 1.16: ../shared/VLLM-CPU.md §1, tests/producers/test_vllm.py).
+  out; vLLM 0.32 runs on the project's 1.16: docs/vllm.md §4.1, tests/producers/test_vllm.py).
 
 Those three are also the only complaints `pip check` may make (docker/pip_check.py).
 

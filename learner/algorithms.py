@@ -1,4 +1,4 @@
-"""The algorithms of SAO.md §7 and what each name means for a step, resolved in one place.
+"""The algorithms of docs/algorithm.md §7 and what each name means for a step, resolved in one place.
 
 | name | advantage | policy loss | critic | critic attention |
 | --- | --- | --- | --- | --- |
@@ -10,7 +10,7 @@
 | running_mean | reward − running mean | DIS | none | - |
 | vapo | skip-observation GAE | PPO clip vs batch start | K updates, warm-up first | frozen |
 
-`vapo` is SAO without the DIS mask, the paper's critic-without-DIS comparison (SAO.md §8): stale
+`vapo` is SAO without the DIS mask, the paper's critic-without-DIS comparison (docs/algorithm.md §8): stale
 rollouts enter the loss with no correction for how far π_rollout drifted.
 """
 
@@ -25,7 +25,7 @@ Algorithm = Literal["sao", "sao_k1", "sao_full_critic", "grpo", "grpo_dis", "run
 
 @dataclass(frozen=True, kw_only=True)
 class AlgorithmSettings:
-    """What an algorithm name means for a step (SAO.md §5, §7), resolved once by `algorithm_settings`."""
+    """What an algorithm name means for a step (docs/algorithm.md §5, §7), resolved once by `algorithm_settings`."""
 
     advantage: Literal["gae", "group", "running_mean"]
     """Skip-observation GAE on the critic's values, the group-normalised reward, or the running mean."""
@@ -34,7 +34,7 @@ class AlgorithmSettings:
     critic_updates: int
     """K critic optimizer steps per step; 0: there is no critic."""
     freeze_critic_attention: bool
-    """Freeze the critic's attention (SAO.md §5)."""
+    """Freeze the critic's attention (docs/algorithm.md §5)."""
     warmup_steps: int
     """Steps at the start that train only the critic."""
 
@@ -45,7 +45,7 @@ class AlgorithmSettings:
 
 def algorithm_settings(algorithm: Algorithm, critic_updates: int = 2,
                        warmup_steps: int = 10) -> AlgorithmSettings:
-    """The one place an algorithm name is interpreted (SAO.md §7's table)."""
+    """The one place an algorithm name is interpreted (docs/algorithm.md §7's table)."""
     sao = dict(advantage="gae", policy_loss="dis", critic_updates=critic_updates,
                freeze_critic_attention=True, warmup_steps=warmup_steps)
     baseline = dict(policy_loss="dis", critic_updates=0, freeze_critic_attention=False, warmup_steps=0)

@@ -1,4 +1,4 @@
-"""Baseline advantages of SAO.md §7, per trajectory: the group mean of `grpo` / `grpo_dis`, and the
+"""Baseline advantages of docs/algorithm.md §7, per trajectory: the group mean of `grpo` / `grpo_dis`, and the
 running mean of `running_mean`. SAO's own advantage is skip-observation GAE (learner/gae.py).
 
 Both take each trajectory's total reward (outcome plus per-turn rewards) and return one advantage
@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 
 def group_normalised_advantage(rewards: Tensor, group_ids: Sequence[str], eps: float = 1e-6) -> Tensor:
-    """Â_i = (r_i − mean_G) / (std_G + eps) over the trajectories sharing i's prompt (SAO.md §7).
+    """Â_i = (r_i − mean_G) / (std_G + eps) over the trajectories sharing i's prompt (docs/algorithm.md §7).
 
     rewards: (B,); std is the unbiased one. A group of one has no baseline and gets Â = 0, which
     is why GRPO needs G ≥ 2 rollouts of a prompt.
@@ -35,7 +35,7 @@ def group_normalised_advantage(rewards: Tensor, group_ids: Sequence[str], eps: f
 
 
 class RunningMean:
-    """Â_i = r_i − mean(last W rewards of i's key), key = prompt id or one global key (SAO.md §7).
+    """Â_i = r_i − mean(last W rewards of i's key), key = prompt id or one global key (docs/algorithm.md §7).
 
     The baseline uses only rewards seen before this batch, so a trajectory never baselines itself;
     a key with no history yet gives Â = 0 (`unseen`: the last batch's fraction of those). Rewards
@@ -63,7 +63,7 @@ class RunningMean:
         if self._blind == self.WARN_AFTER and self.per_prompt:
             log.warning("running_mean: no prompt id of the last %d steps was seen before, so every advantage "
                         "is 0 and nothing trains; prompts that never repeat need "
-                        "--update.running-mean-scope global (SAO.md §7's online setting)", self.WARN_AFTER)
+                        "--update.running-mean-scope global (docs/algorithm.md §7's online setting)", self.WARN_AFTER)
         for p, r in zip(prompt_ids, rewards.tolist()):
             self.history.setdefault(self._key(p), deque(maxlen=self.window)).append(r)
         return rewards - torch.tensor(baseline, dtype=rewards.dtype, device=rewards.device)

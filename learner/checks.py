@@ -4,7 +4,7 @@ The codec (schemas/messages.py) rejects what is malformed for anyone. What it ca
 learner's model and settings, so a well-formed trajectory can still be untrainable here: a token id
 beyond the vocabulary (an IndexError on CPU, a device-side assert that poisons the CUDA context on a
 GPU), a sequence longer than the context window, sampling settings the learner does not recompute
-with (a silently biased ratio, SAO.md §3). `untrainable` names the first such problem, or returns
+with (a silently biased ratio, docs/algorithm.md §3). `untrainable` names the first such problem, or returns
 None; the source sends the trajectory to `sao.dlq` with that reason before any step is formed, so
 `collate` and the update never see it. Every check here is one `collate` or the model relies on.
 """

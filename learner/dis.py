@@ -1,13 +1,13 @@
-"""Policy objectives: DIS, double-sided importance sampling (SAO.md §3), and the PPO clip of `grpo`.
+"""Policy objectives: DIS, double-sided importance sampling (docs/algorithm.md §3), and the PPO clip of `grpo`.
 
 DIS weights each action token by its ratio to the behaviour policy π_rollout (what the rollout
 engine actually ran), and drops, rather than clamps, any token whose ratio leaves the open band
 (1 − ε_low, 1 + ε_high). Deliberately absent:
-- no PPO `min(...)`/clip on top of the mask, and the mask ignores the sign of Â (SAO.md §3);
-- no recomputed π_θold: tracking it is infeasible when weights change mid-trajectory (SAO.md §2);
+- no PPO `min(...)`/clip on top of the mask, and the mask ignores the sign of Â (docs/algorithm.md §3);
+- no recomputed π_θold: tracking it is infeasible when weights change mid-trajectory (docs/algorithm.md §2);
 - no KL or entropy term here: the update adds them only when their coefficients are non-zero.
 
-`ppo_clip_policy_loss` exists only for the `grpo` baseline (SAO.md §7), whose "old policy" is the
+`ppo_clip_policy_loss` exists only for the `grpo` baseline (docs/algorithm.md §7), whose "old policy" is the
 learner's own weights at batch start.
 """
 
@@ -20,24 +20,24 @@ from torch import Tensor
 
 LossAgg = Literal["token_mean", "seq_mean_token_mean"]
 
-# ε_low, ε_high of SAO.md §3's presets.
+# ε_low, ε_high of docs/algorithm.md §3's presets.
 PRESETS: dict[str, tuple[float, float]] = {"reasoning": (0.3, 5.0), "coding": (0.8, 3.0)}
 
 
 def dis_ratio(logp: Tensor, logp_rollout: Tensor) -> Tensor:
-    """r_t = exp(logπ_θ(a_t|s_t) − logπ_rollout(a_t|s_t)) (SAO.md §3)."""
+    """r_t = exp(logπ_θ(a_t|s_t) − logπ_rollout(a_t|s_t)) (docs/algorithm.md §3)."""
     return torch.exp(logp - logp_rollout)
 
 
 def dis_keep(ratio: Tensor, eps_low: float, eps_high: float) -> Tensor:
-    """keep_t = 1 − ε_low < r_t < 1 + ε_high, strict at both ends (SAO.md §3)."""
+    """keep_t = 1 − ε_low < r_t < 1 + ε_high, strict at both ends (docs/algorithm.md §3)."""
     return (ratio > 1.0 - eps_low) & (ratio < 1.0 + eps_high)
 
 
 def aggregate(x: Tensor, action_mask: Tensor, loss_agg: LossAgg, *, num_tokens: int | None = None,
               num_seqs: int | None = None) -> Tensor:
     """token_mean: Σ_bt x / N, N = action tokens in the step, masked ones included;
-    seq_mean_token_mean: Σ_b (Σ_t x_bt / n_b) / B. Off-action entries never count (SAO.md §3).
+    seq_mean_token_mean: Σ_b (Σ_t x_bt / n_b) / B. Off-action entries never count (docs/algorithm.md §3).
 
     When x is one micro-batch of a step, `num_tokens` (N) and `num_seqs` (B) are the step's, so the
     micro-batches' results sum to the step's; by default they are x's own.
@@ -61,7 +61,7 @@ def k3_kl(logp: Tensor, logp_rollout: Tensor) -> Tensor:
 @torch.no_grad()
 def ratio_stats(logp: Tensor, logp_rollout: Tensor, action_mask: Tensor, eps_low: float,
                 eps_high: float, num_tokens: int | None = None) -> dict[str, Tensor]:
-    """Health numbers of the ratio to π_rollout over action tokens (SAO.md §3, §8: healthy runs mask
+    """Health numbers of the ratio to π_rollout over action tokens (docs/algorithm.md §3, §8: healthy runs mask
     roughly 0.04 %–0.6 % of tokens): means over N tokens (`num_tokens`, as in `aggregate`), and
     `ratio_max`/`ratio_min`. Masked reductions: no host sync, and no error when empty."""
     ratio = dis_ratio(logp, logp_rollout)
@@ -85,7 +85,7 @@ def dis_policy_loss(logp: Tensor, logp_rollout: Tensor, adv: Tensor, action_mask
                     eps_low: float, eps_high: float, loss_agg: LossAgg = "token_mean", *,
                     num_tokens: int | None = None, num_seqs: int | None = None,
                     trainable: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
-    """loss = −Σ_t stopgrad(keep_t·r_t)·Â_t·logπ_θ(a_t|s_t) / N (SAO.md §3).
+    """loss = −Σ_t stopgrad(keep_t·r_t)·Â_t·logπ_θ(a_t|s_t) / N (docs/algorithm.md §3).
 
     All inputs (B, T); logp carries the graph, the rest are data. A kept token's gradient is
     r_t·Â_t·∇logπ_θ; a masked token's is exactly zero. `trainable` (default: every action token)
@@ -108,7 +108,7 @@ def ppo_clip_policy_loss(logp: Tensor, logp_old: Tensor, adv: Tensor, action_mas
                          clip_eps: float, loss_agg: LossAgg = "token_mean", *,
                          num_tokens: int | None = None, num_seqs: int | None = None,
                          trainable: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
-    """loss = −Σ_t min(r_t·Â_t, clip(r_t, 1 − ε, 1 + ε)·Â_t) / N, r_t = π_θ/π_old (SAO.md §7).
+    """loss = −Σ_t min(r_t·Â_t, clip(r_t, 1 − ε, 1 + ε)·Â_t) / N, r_t = π_θ/π_old (docs/algorithm.md §7).
 
     π_old is the learner's own weights at batch start, not π_rollout: staleness of the rollout
     goes unnoticed, which is what makes vanilla GRPO fragile when asynchronous.

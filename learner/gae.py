@@ -1,4 +1,4 @@
-"""Skip-observation GAE (SAO.md §4): advantages and critic targets over action tokens only.
+"""Skip-observation GAE (docs/algorithm.md §4): advantages and critic targets over action tokens only.
 
 A trajectory is `[prompt, a_0, o_0, a_1, …, a_n]`. The walk goes backwards over action tokens and
 treats the last token of a_i and the first token of a_{i+1} as neighbours, so a whole observation
@@ -6,7 +6,7 @@ span costs one γλ. Prompt and observation tokens get zero advantage and zero r
 excluded from every loss by the action mask.
 
 Deliberately absent: a bootstrap value at the end (episodes are complete, `next_value = 0`), and
-advantage whitening (SAO.md §4 leaves it off; `whiten` exists for the `whiten_advantages` knob).
+advantage whitening (docs/algorithm.md §4 leaves it off; `whiten` exists for the `whiten_advantages` knob).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import Tensor
 
 
 def adaptive_lambda(response_len: Tensor, alpha: float) -> Tensor:
-    """λ = clamp(1 − 1/(α·l), 0, 1) per trajectory, l = tokens after the prompt (SAO.md §4)."""
+    """λ = clamp(1 − 1/(α·l), 0, 1) per trajectory, l = tokens after the prompt (docs/algorithm.md §4)."""
     return (1.0 - 1.0 / (alpha * response_len.double().clamp(min=1))).clamp(0.0, 1.0).float()
 
 
@@ -26,7 +26,7 @@ def skip_observation_gae(rewards: Tensor, values: Tensor, action_mask: Tensor,
 
     rewards, values: (B, T) float, aligned with the tokens (rewards sit on action tokens only);
     action_mask: (B, T) bool; lam: a float or a (B,) tensor (one λ per trajectory).
-    Returns (adv, returns), both (B, T) and zero off action tokens. SAO.md §4.
+    Returns (adv, returns), both (B, T) and zero off action tokens. docs/algorithm.md §4.
     """
     B, T = rewards.shape
     lam = torch.as_tensor(lam, dtype=rewards.dtype, device=rewards.device).expand(B)

@@ -6,14 +6,14 @@ reward). The model forward can run padded, or packed: all real tokens in one row
 restarting at 0 per trajectory, which transformers turns into a block-diagonal causal mask. The
 math after the forward always sees the padded (B, T) layout.
 
-Reward placement (SAO.md §4): `Trajectory.reward`, the outcome, goes on the trajectory's last
+Reward placement (docs/algorithm.md §4): `Trajectory.reward`, the outcome, goes on the trajectory's last
 action token. Earlier turns' rewards travel in `Trajectory.turn_rewards` as `(token_index, reward)`
 pairs, `token_index` being the index in `tokens` of the last action token of that turn (the codec
 checks it is one); the final turn's reward is the outcome and is not repeated there.
 
 Deliberately absent: top-p / top-k truncation. Generators default it off (producers/generate), and
 the learner's source dead-letters any trajectory sampled with it (learner/checks.py), since
-recomputing without the same truncation would bias the ratio (SAO.md §3).
+recomputing without the same truncation would bias the ratio (docs/algorithm.md §3).
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ NO_LOGITS = torch.empty(0, dtype=torch.long)
 def token_logprobs(model: torch.nn.Module, batch: Batch, *, temperature: float, packed: bool = False,
                    chunk_tokens: int = 1024, entropy_grad: bool = False) -> tuple[Tensor, Tensor]:
     """logπ_θ(a_t|s_t) at temperature T and the policy entropy at s_t, both (B, T) float32 and
-    zero off action tokens (prompt and observation positions are context only; SAO.md §3, §4).
+    zero off action tokens (prompt and observation positions are context only; docs/algorithm.md §3, §4).
 
     Computed from the final hidden states, at action tokens only, `chunk_tokens` at a time: the
     float32 logits of the whole micro-batch never exist. The entropy carries a gradient only with

@@ -1,7 +1,7 @@
 """Long episodes the SAO way: staleness judged per token, and episodes cut at a token budget
 trained under an overlong policy. Pure functions over one trajectory.
 
-Staleness (SAO.md §6) is the number of policy updates between the version that sampled a token and
+Staleness (docs/algorithm.md §6) is the number of policy updates between the version that sampled a token and
 the learner's. A long agent episode spans several versions, and every action token carries its
 own and is weighed by its own ratio, so an episode is not judged by its oldest token: action
 tokens older than `max_staleness` give no policy gradient (they still count in the loss's N, as
@@ -50,7 +50,7 @@ def token_staleness(learner_version: int, traj: Trajectory, restarts: Sequence[t
 
 
 def staleness(learner_version: int, traj: Trajectory, restarts: Sequence[tuple[int, int]] = ()) -> int:
-    """The trajectory's staleness: that of its oldest action token (SAO.md §6); 0 with none."""
+    """The trajectory's staleness: that of its oldest action token (docs/algorithm.md §6); 0 with none."""
     return max(int(token_staleness(learner_version, traj, restarts).max(initial=0)), 0)
 
 

@@ -11,7 +11,7 @@ inserts (`published_name`): `q_proj.weight` is the base, `q_proj.lora_A.weight` 
 producers serve `W + scale · B @ A` (producers/updates.py).
 
 The critic (`--model.lora-critic`): adapters only on its targets outside attention, so its
-attention stays frozen as SAO.md §5 requires; its value head trains whole, the rest is frozen.
+attention stays frozen as docs/algorithm.md §5 requires; its value head trains whole, the rest is frozen.
 Deliberately absent: LoRA dropout (it would make the learner's forward differ from the
 producers'), biases in the adapters, and peft's PeftModel wrapper (state-dict names stay the
 model's own).
@@ -48,7 +48,7 @@ def inject(model: nn.Module, lora: Lora, targets: tuple[str, ...]) -> nn.Module:
 
 
 def critic_targets(critic: ValueModel, targets: tuple[str, ...]) -> tuple[str, ...]:
-    """The targets that occur outside attention in the critic (SAO.md §5: attention stays frozen)."""
+    """The targets that occur outside attention in the critic (docs/algorithm.md §5: attention stays frozen)."""
     inside = {name for module in critic.modules() if is_attention(module) for name, _ in module.named_modules()}
     outside = {name.rsplit(".", 1)[-1] for name, module in critic.named_modules()
                if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] not in inside}

@@ -1,5 +1,5 @@
 """How a step's trajectories become work: a token-balanced share per rank, token-budget micro-batches
-within each share, and the step's global counts and metric sums (SAO.md §3: N is the step's).
+within each share, and the step's global counts and metric sums (docs/algorithm.md §3: N is the step's).
 
 Every rank holds the whole step's trajectories (rank 0 broadcasts them), so every rank computes
 every rank's plan locally: the shares, the micro-batch counts and the global normalisers need no
@@ -61,7 +61,7 @@ class StepPlan:
     """Trajectory indices per micro-batch; empty lists pad this rank up to the busiest rank's count
     (every rank must run as many forwards and backwards, they are FSDP2 collectives)."""
     num_tokens: int
-    """N: action tokens in the whole step, masked ones included (SAO.md §3)."""
+    """N: action tokens in the whole step, masked ones included (docs/algorithm.md §3)."""
     num_seqs: int
     """Trajectories in the whole step (`seq_mean_token_mean` divides by it)."""
     rank_tokens: int

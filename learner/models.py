@@ -38,7 +38,7 @@ def meta_models(config: PretrainedConfig, with_critic: bool) -> tuple[nn.Module,
 
 def critic_state(policy_state: dict[str, torch.Tensor], base_model_prefix: str,
                  hidden_size: int) -> dict[str, torch.Tensor]:
-    """The critic's initial weights (SAO.md §5): the policy's backbone, and a zero value head."""
+    """The critic's initial weights (docs/algorithm.md §5): the policy's backbone, and a zero value head."""
     prefix = base_model_prefix + "."
     return ({"backbone." + k.removeprefix(prefix): v for k, v in policy_state.items() if k.startswith(prefix)}
             | {"head.weight": torch.zeros(1, hidden_size), "head.bias": torch.zeros(1)})

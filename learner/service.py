@@ -116,7 +116,7 @@ class LearnerConfig:
 @dataclass(kw_only=True)
 class FormedStep:
     """A step as every rank sees it: its trajectories in consumption order, and their staleness
-    against the version the step was formed at (SAO.md §6)."""
+    against the version the step was formed at (docs/algorithm.md §6)."""
 
     trajectories: list[Trajectory]
     staleness: list[int]
@@ -234,7 +234,7 @@ class Learner:
         return FormedStep(trajectories=trajs, staleness=[self.staleness(t) for t in trajs])
 
     def staleness(self, traj: Trajectory) -> int:
-        """Policy updates since `traj`'s stalest token was sampled, along this learner's line (SAO.md §6)."""
+        """Policy updates since `traj`'s stalest token was sampled, along this learner's line (docs/algorithm.md §6)."""
         return staleness(self.version, traj, self.restarts)
 
     def fresh(self, traj: Trajectory) -> float:
@@ -277,7 +277,7 @@ def run(cfg: LearnerConfig) -> None:
         if learner.restore():
             log.info("resumed at step %d, version %d", learner.update.step_count, learner.version)
         learner.continue_versions()
-        if learner.rank == 0 and learner.critic is not None:  # SAO.md §5: what the critic trains
+        if learner.rank == 0 and learner.critic is not None:  # docs/algorithm.md §5: what the critic trains
             log.info("critic parameters:\n%s", format_report(param_report(learner.critic)))
         if learner.source:  # the checkpoint's positions are loaded: join, alone, before writing anything shared
             learner.source.start().joined()

@@ -1,4 +1,4 @@
-"""One learner step of SAO (SAO.md §3–§5) and of its baselines (§7), on the same code path.
+"""One learner step of SAO (docs/algorithm.md §3–§5) and of its baselines (§7), on the same code path.
 
 `SAOUpdate.step(trajectories)` reads top to bottom in paper order:
 1. refuse the whole step if a reward or an action token's rollout log-prob is not finite (nothing
@@ -51,17 +51,17 @@ from schemas.messages import Trajectory
 
 @dataclass(kw_only=True)
 class UpdateConfig:
-    """Knobs of one learner step; every "(our choice)" of SAO.md is one of them."""
+    """Knobs of one learner step; every "(our choice)" of docs/algorithm.md is one of them."""
 
     algorithm: Algorithm = "sao"
     """sao | sao_k1 (one critic step) | sao_full_critic (critic attention trains) | grpo (group
     advantage, PPO clip vs the learner at batch start) | grpo_dis (group advantage, DIS) |
-    running_mean (running-mean baseline, DIS) | vapo (sao with the PPO clip instead of DIS). SAO.md
+    running_mean (running-mean baseline, DIS) | vapo (sao with the PPO clip instead of DIS). docs/algorithm.md
     §7, §8. The PPO clip of grpo and vapo binds only from a batch's second pass
     (`--update.policy-epochs` ≥ 2); at one pass they train the plain policy gradient of their
     advantage, with no correction for stale rollouts."""
     preset: Literal["reasoning", "coding"] = "reasoning"
-    """DIS band: reasoning keeps 0.7 < r < 6.0, coding keeps 0.2 < r < 4.0 (SAO.md §3)."""
+    """DIS band: reasoning keeps 0.7 < r < 6.0, coding keeps 0.2 < r < 4.0 (docs/algorithm.md §3)."""
     eps_low: float | None = None
     """Override of the preset's ε_low."""
     eps_high: float | None = None
@@ -73,8 +73,8 @@ class UpdateConfig:
     alpha: float = 1.5
     """α of the policy's length-adaptive λ = 1 − 1/(α·l)."""
     lambda_length: Literal["response", "actions"] = "response"
-    """l of the adaptive λ: every token after the prompt, observations included (our choice, SAO.md
-    §4), or the action tokens only (a synchronous SAO port's choice, SAO.md §9)."""
+    """l of the adaptive λ: every token after the prompt, observations included (our choice, docs/algorithm.md
+    §4), or the action tokens only (a synchronous SAO port's choice, docs/algorithm.md §9)."""
     critic_updates: int = 2
     """K critic optimizer steps per policy step, on the same batch (`sao_k1` uses 1)."""
     warmup_steps: int = 10
@@ -89,17 +89,17 @@ class UpdateConfig:
     """Gradient-norm clip of each policy step, and of each critic step unless `critic_max_grad_norm`."""
     critic_max_grad_norm: float | None = None
     """Gradient-norm clip of each critic step; None: `max_grad_norm`. A critic's gradient is often
-    far larger than the policy's (a verl SAO port clips it at 10, SAO.md §9)."""
+    far larger than the policy's (a verl SAO port clips it at 10, docs/algorithm.md §9)."""
     value_clip: float | None = None
     """PPO-style value clipping range around the pre-update values; None = plain MSE."""
     whiten_advantages: bool = False
-    """Normalise advantages over the step's action tokens (off: SAO.md §4)."""
+    """Normalise advantages over the step's action tokens (off: docs/algorithm.md §4)."""
     kl_coef: float = 0.0
     """Weight of a k3 KL(π_rollout ‖ π_θ) penalty on action tokens (no reference model is kept)."""
     entropy_coef: float = 0.0
     """Weight of an entropy bonus on action tokens."""
     temperature: float = 1.0
-    """T at which log-probs are recomputed; must equal the rollout engine's (SAO.md §3)."""
+    """T at which log-probs are recomputed; must equal the rollout engine's (docs/algorithm.md §3)."""
     overlong: Overlong = "keep"
     """Episodes cut at a token budget (finish reason length or context): keep (train them as any
     other), mask (no policy gradient from them: DAPO's overlong filtering) or penalty (their
@@ -115,7 +115,7 @@ class UpdateConfig:
     running_mean_scope: Literal["prompt", "global"] = "prompt"
     """`running_mean` keys its history per prompt id or globally (online settings)."""
     running_mean_window: int | None = None
-    """W of `running_mean`; None = 8 per prompt, 128 global (SAO.md §7)."""
+    """W of `running_mean`; None = 8 per prompt, 128 global (docs/algorithm.md §7)."""
     packed: bool = False
     """Run forwards on a micro-batch's real tokens packed into one row instead of padded rows."""
     micro_batch_tokens: int = 8192
@@ -214,7 +214,7 @@ def step_is_finite(trajs: Sequence[Trajectory], totals: np.ndarray) -> bool:
 
 @dataclass(kw_only=True)
 class MicroBatch:
-    """A collated micro-batch and its advantage and critic targets (SAO.md §4), each (b, T)."""
+    """A collated micro-batch and its advantage and critic targets (docs/algorithm.md §4), each (b, T)."""
 
     batch: Batch
     rows: list[int]
@@ -228,7 +228,7 @@ class MicroBatch:
 
 
 class SAOUpdate:
-    """The learner's models, optimizers and `step(trajectories) -> metrics` (SAO.md §3–§5, §7).
+    """The learner's models, optimizers and `step(trajectories) -> metrics` (docs/algorithm.md §3–§5, §7).
 
     Its `state_dict` is the whole training state (sharded models and optimizers, step counter,
     running-mean history), the one format the service checkpoints. `critic` must be given for the
@@ -245,7 +245,7 @@ class SAOUpdate:
         self.device = next(policy.parameters()).device
         if critic is not None and s.freeze_critic_attention:
             freeze_attention(critic)
-        # gradient norms by parameter kind (SAO.md §5: a critic's attention gradients are the volatile ones)
+        # gradient norms by parameter kind (docs/algorithm.md §5: a critic's attention gradients are the volatile ones)
         self.kinds = {name: {k: ps for k, ps in param_kinds(m).items() if any(p.requires_grad for p in ps)}
                       for name, m in (("policy", policy), ("critic", critic)) if m is not None}
         self.policy_opt = _adamw(policy, cfg.lr_policy, cfg.weight_decay)

@@ -1,4 +1,4 @@
-"""The value model (critic) of SAO.md §5: the policy's backbone plus a zero-initialised scalar head,
+"""The value model (critic) of docs/algorithm.md §5: the policy's backbone plus a zero-initialised scalar head,
 with attention frozen; its loss, and the diagnostics that explain it: explained variance and
 value/return correlation, overall and by third of each response's action tokens.
 
@@ -33,7 +33,7 @@ class ValueModel(nn.Module):
         super().__init__()
         self.backbone = backbone
         self.head = nn.Linear(hidden_size, 1)
-        nn.init.zeros_(self.head.weight)  # V ≡ 0 at start (SAO.md §5)
+        nn.init.zeros_(self.head.weight)  # V ≡ 0 at start (docs/algorithm.md §5)
         nn.init.zeros_(self.head.bias)
 
     @classmethod
@@ -132,7 +132,7 @@ def param_report(model: nn.Module, attention_types: tuple[type, ...] = ()) -> di
 
 
 def format_report(report: dict[str, dict[str, int]]) -> str:
-    """The trainable-parameter table, one line per module kind (SAO.md §5: it must be printable)."""
+    """The trainable-parameter table, one line per module kind (docs/algorithm.md §5: it must be printable)."""
     lines = [f"{'kind':<12}{'trainable':>12}{'frozen':>12}"]
     rows = sorted(report.items(), key=lambda kv: kv[0] == "total")  # total last
     lines += [f"{k:<12}{v['trainable']:>12,}{v['frozen']:>12,}" for k, v in rows]
@@ -147,7 +147,7 @@ def value_loss(values: Tensor, returns: Tensor, action_mask: Tensor, *,
                loss_agg: LossAgg = "token_mean", num_tokens: int | None = None,
                num_seqs: int | None = None) -> Tensor:
     """MSE on action tokens: agg((V_t − R_t)²); with `clip`, agg(max((V_t − R_t)²,
-    (V_old + clamp(V_t − V_old, ±clip) − R_t)²)), PPO-style (SAO.md §5). `num_tokens`/`num_seqs`:
+    (V_old + clamp(V_t − V_old, ±clip) − R_t)²)), PPO-style (docs/algorithm.md §5). `num_tokens`/`num_seqs`:
     the step's counts when this is one micro-batch (see `aggregate`)."""
     err = (values - returns) ** 2
     if clip is not None:

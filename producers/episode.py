@@ -5,7 +5,7 @@ The sequence is `[prompt, a_0, o_0, a_1, …, a_n]`: action spans sampled by the
 environment (action_mask 0, log-prob 0.0, version −1). The final step's reward is
 `Trajectory.reward` (None: a live reward stream will score it); earlier turns' rewards go to
 `Trajectory.turn_rewards` as `(token_index, reward)` pairs, `token_index` being the last action
-token of that turn, which is where the learner places them (SAO.md §4). The sampling settings
+token of that turn, which is where the learner places them (docs/algorithm.md §4). The sampling settings
 travel with it, so the learner can refuse what it would not recompute the same way. The final step's
 observation, if any, is dropped: nothing acts on it.
 

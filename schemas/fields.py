@@ -128,7 +128,7 @@ def token_array(m: dict, name: str, limits: Limits) -> np.ndarray:
 
 def turn_rewards_field(m: dict, acted: np.ndarray, limits: Limits) -> list[tuple[int, float]]:
     """`turn_rewards`: [[token_index, reward], ...], each index on an action token, each reward
-    finite; the learner adds them to the token rewards without looking again (SAO.md §4)."""
+    finite; the learner adds them to the token rewards without looking again (docs/algorithm.md §4)."""
     v = sized(typed(m, "turn_rewards", list, "a list"), "turn_rewards", limits.max_turn_rewards, "entries")
     out = []
     for i, pair in enumerate(v):

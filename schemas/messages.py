@@ -1,4 +1,4 @@
-"""The wire contract: the message kinds of ARCHITECTURE.md (and the anchor request) and their MessagePack codec.
+"""The wire contract: the message kinds of docs/architecture.md (and the anchor request) and their MessagePack codec.
 
 Every message is a MessagePack map carrying `v` (schema version) and `kind`. Per-token arrays
 travel as raw little-endian bytes whose dtype the schema fixes, and decode into numpy views over
@@ -106,7 +106,7 @@ class Prompt(_Message):
 
 @dataclass(kw_only=True, eq=False)
 class Trajectory(_Message):
-    """One finished episode with the rollout engine's per-token log-probs (SAO.md §2).
+    """One finished episode with the rollout engine's per-token log-probs (docs/algorithm.md §2).
 
     `versions` holds the weight version that sampled each action token and -1 elsewhere;
     `reward` is None while a live reward stream has yet to score it.
@@ -129,7 +129,7 @@ class Trajectory(_Message):
     """How many rollouts share `group`; the learner trains a group only whole."""
     turn_rewards: list[tuple[int, float]] = field(default_factory=list)
     """Rewards of earlier turns as (token_index, reward): the index of the last action token of
-    that turn, where the learner places it (SAO.md §4); the final turn's reward is `reward`."""
+    that turn, where the learner places it (docs/algorithm.md §4); the final turn's reward is `reward`."""
     temperature: float = 1.0
     """Sampling temperature T of every action token; the learner recomputes at the same T."""
     top_p: float = 1.0
@@ -163,7 +163,7 @@ class Trajectory(_Message):
 
     @property
     def min_version(self) -> int:
-        """Oldest weight version that sampled any action token (SAO.md §6); -1 if no actions."""
+        """Oldest weight version that sampled any action token (docs/algorithm.md §6); -1 if no actions."""
         acted = self.versions[self.action_mask.astype(bool)]
         return int(acted.min()) if acted.size else -1
 

@@ -1,4 +1,4 @@
-"""Every topic of the system, its partitions and its broker-side configuration (ARCHITECTURE.md)."""
+"""Every topic of the system, its partitions and its broker-side configuration (docs/architecture.md)."""
 
 from __future__ import annotations
 

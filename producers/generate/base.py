@@ -77,7 +77,7 @@ class SamplingParams:
 NEUTRAL_SAMPLING = {"min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 """vLLM's settings that reshape the distribution, each at its no-op value: with them, the engine
 samples from exactly softmax(logits / T), truncated only by top-p / top-k, which is what the
-learner recomputes (VLLM.md §3.2)."""
+learner recomputes (docs/vllm.md §3.2)."""
 
 
 def exact_sampling(params: SamplingParams) -> dict:

@@ -1,6 +1,6 @@
 """The `http` generator backend: an OpenAI-compatible completions endpoint that takes token ids.
 
-What `vllm serve` offers (VLLM.md §3.2) and `sao serve` implements: `prompt` as a list of ids,
+What `vllm serve` offers (docs/vllm.md §3.2) and `sao serve` implements: `prompt` as a list of ids,
 `logprobs: 0` (the sampled token's log-prob), `return_token_ids`, `return_tokens_as_token_ids`,
 every sampling field sent explicitly (so no server-side generation_config can change the
 distribution), no truncation, no penalties. CPU sandbox producers scale apart from GPU inference.
@@ -11,7 +11,7 @@ Weight versions, per token, in order of preference:
 2. the server's `GET /weight_info` (`weight_version`), read after the call;
 3. the last version announced on `sao.weights` (`load_weights` records it; the server, not this
    process, owns the weights).
-A log-prob ≤ -9999 is vLLM's clamp of -inf/NaN (VLLM.md pitfall 9): the call fails with
+A log-prob ≤ -9999 is vLLM's clamp of -inf/NaN (docs/vllm.md §5): the call fails with
 `InvalidGeneration` rather than publish a made-up number.
 
 Calls go through one `httpx.AsyncClient` per event loop (its connection pool belongs to the loop
@@ -43,7 +43,7 @@ class InvalidGeneration(ValueError):
 
 
 def request_body(prompt_ids: Sequence[int], params: SamplingParams, model: str) -> dict:
-    """A completions request that samples from exactly `softmax(logits / T)` (VLLM.md §3.2)."""
+    """A completions request that samples from exactly `softmax(logits / T)` (docs/vllm.md §3.2)."""
     return {"model": model, "prompt": [int(t) for t in prompt_ids], **exact_sampling(params),
             "return_token_ids": True, "return_tokens_as_token_ids": True, "n": 1}
 

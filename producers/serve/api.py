@@ -1,6 +1,6 @@
 """The OpenAI-compatible request and response shapes of `sao serve`, as pure functions.
 
-`POST /v1/completions` is the subset of `vllm serve` that producers use (VLLM.md §3.2): a token-id
+`POST /v1/completions` is the subset of `vllm serve` that producers use (docs/vllm.md §3.2): a token-id
 `prompt`, `logprobs: 0`, `return_token_ids`, explicit sampling fields. `POST /v1/chat/completions`
 takes OpenAI chat messages (and `tools`), streamed or not; its replies carry the sampled
 `token_ids` and, like completions, `weight_versions`: spans `{version, start, end}` over the

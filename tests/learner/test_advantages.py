@@ -1,5 +1,5 @@
 """SAOUpdate computes the policy's advantages with the length-adaptive λ and the critic's targets
-with λ = 1 (SAO.md §4), on the step's real micro-batches: a swap of the two fails here."""
+with λ = 1 (docs/algorithm.md §4), on the step's real micro-batches: a swap of the two fails here."""
 
 from __future__ import annotations
 

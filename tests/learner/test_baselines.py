@@ -1,4 +1,4 @@
-"""Baseline advantages of SAO.md §7: group-normalised and running mean, by hand."""
+"""Baseline advantages of docs/algorithm.md §7: group-normalised and running mean, by hand."""
 
 import os
 

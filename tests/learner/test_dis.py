@@ -1,4 +1,4 @@
-"""DIS (SAO.md §3): the strict double-sided mask, zero gradient on masked tokens, the detached
+"""DIS (docs/algorithm.md §3): the strict double-sided mask, zero gradient on masked tokens, the detached
 weight, both presets, and the aggregations."""
 
 import os

@@ -1,4 +1,4 @@
-"""Skip-observation GAE (SAO.md §4): hand-computed cases and properties."""
+"""Skip-observation GAE (docs/algorithm.md §4): hand-computed cases and properties."""
 
 import os
 

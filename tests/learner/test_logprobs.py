@@ -142,7 +142,7 @@ def test_packed_forward_backpropagates_like_padded():
 
 
 def test_learner_reproduces_the_generators_rollout_log_probs():
-    """The ratio π_θ / π_rollout is 1 when the learner holds the rollout weights (SAO.md §3)."""
+    """The ratio π_θ / π_rollout is 1 when the learner holds the rollout weights (docs/algorithm.md §3)."""
     model = tiny_llama(seed=3)
     env = make_env("toy-multiturn", turn_rewards=True)
     params = SamplingParams(temperature=0.7, max_tokens=4, seed=None)

@@ -49,7 +49,7 @@ def test_only_adapters_train_and_the_critic_keeps_its_attention_frozen(group_of_
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
     assert {n.split(".")[-4] for n in trainable} == set(LORA.lora.targets)  # every target adapted (…q_proj.lora_A.default.weight)
     in_attention = {n for m in critic.modules() if is_attention(m) for n, _ in m.named_parameters()}
-    assert not any("lora" in n for n in in_attention)  # SAO.md §5: no adapter inside the critic's attention
+    assert not any("lora" in n for n in in_attention)  # docs/algorithm.md §5: no adapter inside the critic's attention
     assert all(not p.requires_grad for m in critic.modules() if is_attention(m) for p in m.parameters())
     assert critic.head.weight.requires_grad and any("mlp" in n and "lora" in n for n, p in critic.named_parameters()
                                                      if p.requires_grad)

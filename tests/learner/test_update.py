@@ -1,4 +1,4 @@
-"""SAOUpdate (SAO.md §3–§5, §7): warm-up, the non-finite guard, baselines on the same path,
+"""SAOUpdate (docs/algorithm.md §3–§5, §7): warm-up, the non-finite guard, baselines on the same path,
 micro-batches equal to the one-shot step, checkpointable state, determinism, and its config."""
 
 import os
@@ -144,7 +144,7 @@ def test_the_whole_reward_lands_on_the_last_generated_token_and_reaches_gae(env)
     """Stop tokens make the trajectories' lengths differ, so rows are padded: the outcome sits on
     each trajectory's last generated token, never on padding, and with V ≡ 0 (a fresh critic),
     γ = λ = 1, every action token's critic target is the whole reward (a port that placed it on
-    padding passed ~0.6 % of it to GAE, SAO.md §9)."""
+    padding passed ~0.6 % of it to GAE, docs/algorithm.md §9)."""
     update = build("sao")
     trajs = play_tasks(make_env(env), HFGenerator(update.policy, seed=1),
                        SamplingParams(max_tokens=6, stop_token_ids=tuple(range(3, 64, 5))),

@@ -1,4 +1,4 @@
-"""The critic of SAO.md §5: zero head, attention frozen by module type for dense and MoE models,
+"""The critic of docs/algorithm.md §5: zero head, attention frozen by module type for dense and MoE models,
 the parameter report, the value loss, and the diagnostics that explain it: explained variance and
 value/return correlation, overall and by position in the response."""
 

@@ -1,4 +1,4 @@
-"""The http backend's parsing of completions responses (vLLM's JSON shape, VLLM.md §3.2)."""
+"""The http backend's parsing of completions responses (vLLM's JSON shape, docs/vllm.md §3.2)."""
 
 from __future__ import annotations
 
