@@ -43,6 +43,7 @@ from bench.loop import SMOOTH, LoopConfig, finite_mean, trailing_mean  # noqa: E
 from bench.loop import run as train  # noqa: E402
 from bench.pretrain import pretrained_start  # noqa: E402
 from bench.report import command_line, save_figure  # noqa: E402
+from learner.algorithms import algorithm_settings  # noqa: E402
 from learner.update import UpdateConfig  # noqa: E402
 
 ALGORITHMS = ("sao", "grpo_dis", "grpo", "running_mean", "vapo")
@@ -75,7 +76,8 @@ def one_run(algorithm: str, staleness: int, seed: int, args: argparse.Namespace)
     cfg = LoopConfig(env=args.env, steps=args.steps, batch=args.batch, staleness=staleness,
                      stale_tail=args.stale_tail, start=args.start, seed=seed,
                      update=UpdateConfig(algorithm=algorithm, lr_policy=args.lr_policy,
-                                         lr_critic=args.lr_critic, warmup_steps=args.warmup))
+                                         lr_critic=args.lr_critic,
+                                         warmup_steps=args.warmup if algorithm_settings(algorithm).uses_critic else None))
     history = train(cfg)
     return {short: [float(m.get(key, math.nan)) for m in history] for short, key in RECORDED.items()}
 

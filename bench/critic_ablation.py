@@ -45,7 +45,7 @@ from learner.update import UpdateConfig  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 MODELS = {"llama": "dense", "qwen3_moe": "MoE", "smollm2": "SmolLM2"}
 POSITIONS = ("first", "middle", "last")
-WARMUP = UpdateConfig().warmup_steps
+WARMUP = UpdateConfig().settings.warmup_steps
 
 
 @dataclass(frozen=True, eq=False)  # keyed by identity: a dict field is not hashable

@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.async_stability import collapse_step  # noqa: E402
 from bench.loop import finite_mean, trailing_mean  # noqa: E402
 from bench.report import command_line, save_figure  # noqa: E402
+from learner.algorithms import algorithm_settings  # noqa: E402
 from sao import report  # noqa: E402
 
 METHODS = ("sao", "grpo_dis", "running_mean")
@@ -58,7 +59,8 @@ Curves = dict[str, list[float]]  # one run: RECORDED's short names → per-step 
 
 def up_command(method: str, args: argparse.Namespace, run_dir: Path) -> list[str]:
     """The `sao up` run of one method: `make run`'s setting with the bench's lag bound."""
-    learner = (f"--update.algorithm {method} --update.warmup-steps {args.warmup} "
+    warmup = f"--update.warmup-steps {args.warmup} " if algorithm_settings(method).uses_critic else ""
+    learner = (f"--update.algorithm {method} {warmup}"
                f"--update.lr-policy {args.lr_policy:g} --update.lr-critic {args.lr_critic:g} "
                f"{METHOD_FLAGS.get(method, '')}").strip()
     cmd = [sys.executable, "-m", "sao", "up", "--model", args.model, "--env", args.env, "--producers", "1",

@@ -64,4 +64,4 @@ def algorithm_settings(algorithm: Algorithm, critic_updates: int = 2,
             return AlgorithmSettings(advantage="running_mean", **baseline)
         case "vapo":
             return AlgorithmSettings(**sao | {"policy_loss": "ppo_clip"})
-    raise ValueError(f"--algorithm {algorithm!r}: expected one of {typing.get_args(Algorithm)}")
+    raise ValueError(f"--update.algorithm {algorithm!r}: expected one of {typing.get_args(Algorithm)}")

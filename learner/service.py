@@ -314,6 +314,7 @@ def run(cfg: LearnerConfig) -> None:
 
 
 if __name__ == "__main__":  # torchrun --nproc-per-node N -m learner.service [flags]
-    from schemas.config import parse
+    from schemas.config import one_line_errors, parse
     logging.basicConfig(level=os.environ.get("SAO_LOG_LEVEL", "INFO"))
-    run(parse(LearnerConfig, description=__doc__))
+    with one_line_errors("learner.service"):  # a misconfiguration: one line and exit 2 on every rank, as `sao learner`
+        run(parse(LearnerConfig, description=__doc__))

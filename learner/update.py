@@ -47,7 +47,13 @@ from learner.parallel import accumulate
 from learner.telemetry import env_metrics, kept_by_env, kept_fracs
 from learner.value import (ValueModel, critic_values, freeze_attention, param_kinds, value_diagnostics,
                            value_loss, value_moments_by_position)
+from schemas.config import ConfigError
 from schemas.messages import Trajectory
+
+def flag(name: str) -> str:
+    """The command-line flag of UpdateConfig field `name` (it is `sao learner`'s `--update`)."""
+    return f"--update.{name.replace('_', '-')}"
+
 
 @dataclass(kw_only=True)
 class UpdateConfig:
@@ -75,10 +81,12 @@ class UpdateConfig:
     lambda_length: Literal["response", "actions"] = "response"
     """l of the adaptive λ: every token after the prompt, observations included (our choice, docs/algorithm.md
     §4), or the action tokens only (a synchronous SAO port's choice, docs/algorithm.md §9)."""
-    critic_updates: int = 2
-    """K critic optimizer steps per policy step, on the same batch (`sao_k1` uses 1)."""
-    warmup_steps: int = 10
-    """Steps at the start that train only the critic; critic algorithms only."""
+    critic_updates: int | None = None
+    """K critic optimizer steps per policy step, on the same batch; default 2 (`sao_k1`: 1, and
+    only 1). Refused for the algorithms without a critic."""
+    warmup_steps: int | None = None
+    """Steps at the start that train only the critic; default 10. Critic algorithms only (0 or
+    unset for the others)."""
     lr_policy: float = 1e-4
     """Policy learning rate; sized for tiny models (the paper uses 1e-6 at 30B)."""
     lr_critic: float = 5e-4
@@ -128,18 +136,17 @@ class UpdateConfig:
         for name in ("lr_policy", "lr_critic", "temperature", "max_grad_norm", "alpha",
                      "logprob_chunk_tokens"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+                raise ConfigError(f"{flag(name)} must be > 0, got {getattr(self, name)}")
         if self.critic_max_grad_norm is not None and not self.critic_max_grad_norm > 0:
-            raise ValueError(f"--critic-max-grad-norm must be > 0, got {self.critic_max_grad_norm}")
-        if self.critic_updates < 1:
-            raise ValueError(f"--critic-updates must be >= 1, got {self.critic_updates}")
+            raise ConfigError(f"{flag('critic_max_grad_norm')} must be > 0, got {self.critic_max_grad_norm}")
         if self.policy_epochs < 1:
-            raise ValueError(f"--policy-epochs must be >= 1, got {self.policy_epochs}")
+            raise ConfigError(f"{flag('policy_epochs')} must be >= 1, got {self.policy_epochs}")
         if self.micro_batch_tokens < 0:
-            raise ValueError(f"--micro-batch-tokens must be >= 0, got {self.micro_batch_tokens}")
+            raise ConfigError(f"{flag('micro_batch_tokens')} must be >= 0, got {self.micro_batch_tokens}")
         low, high = self.eps
         if not (0 < low <= 1 and high > 0):
-            raise ValueError(f"--eps-low must be in (0, 1] and --eps-high > 0, got {low}, {high}")
+            raise ConfigError(f"{flag('eps_low')} must be in (0, 1] and {flag('eps_high')} > 0, got {low}, {high}")
+        self.settings  # noqa: B018 - an algorithm's knobs that cannot act as set are refused now
 
     @property
     def eps(self) -> tuple[float, float]:
@@ -155,7 +162,22 @@ class UpdateConfig:
 
     @property
     def settings(self) -> AlgorithmSettings:
-        return algorithm_settings(self.algorithm, self.critic_updates, self.warmup_steps)
+        """What `algorithm` means for a step with these knobs; ConfigError naming a knob the
+        algorithm cannot honour (a critic setting of an algorithm without a critic, K of sao_k1)."""
+        critic = algorithm_settings(self.algorithm).uses_critic
+        for name in ("critic_updates", "warmup_steps"):
+            if not critic and getattr(self, name) not in (None, 0):
+                raise ConfigError(f"{flag(name)} {getattr(self, name)}: --update.algorithm {self.algorithm} has no "
+                                  "critic")
+        if self.algorithm == "sao_k1" and self.critic_updates not in (None, 1):
+            raise ConfigError(f"{flag('critic_updates')} {self.critic_updates}: sao_k1 is the one-update ablation; "
+                              "use --update.algorithm sao for K updates")
+        if critic and self.critic_updates is not None and self.critic_updates < 1:
+            raise ConfigError(f"{flag('critic_updates')} must be >= 1, got {self.critic_updates}")
+        if self.warmup_steps is not None and self.warmup_steps < 0:
+            raise ConfigError(f"{flag('warmup_steps')} must be >= 0, got {self.warmup_steps}")
+        return algorithm_settings(self.algorithm, 2 if self.critic_updates is None else self.critic_updates,
+                                  10 if self.warmup_steps is None else self.warmup_steps)
 
     @property
     def window(self) -> int:

@@ -6,13 +6,12 @@ only when their subcommand runs, so `sao broker` does not pay for importing torc
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import logging
 import os
 import sys
 
-from schemas.config import ConfigError, parse
+from schemas.config import one_line_errors, parse
 
 # subcommand -> (module, config class, one-line help)
 COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -59,14 +58,3 @@ def main(argv: list[str] | None = None) -> None:
         logging.basicConfig(level=os.environ.get("SAO_LOG_LEVEL", "INFO"),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         module.run(cfg)
-
-
-@contextlib.contextmanager
-def one_line_errors(prog: str):
-    """A misconfiguration, found while parsing or while a service starts, ends the process with
-    one line naming the setting and exit status 2, not a traceback."""
-    try:
-        yield
-    except ConfigError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None

@@ -6,9 +6,11 @@ A field `batch_size` of a service config reads `SAO_BATCH_SIZE`; a field `bootst
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import ipaddress
 import os
+import sys
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -23,6 +25,18 @@ _FALSE = {"0", "false", "no", "off"}
 
 class ConfigError(ValueError):
     """A setting that cannot be used; the message names the variable or flag to change."""
+
+
+@contextlib.contextmanager
+def one_line_errors(prog: str):
+    """A misconfiguration, found while parsing or while a service starts, ends the process with
+    one line naming the setting and exit status 2, not a traceback (every entry point: `sao …`
+    and the learner under torchrun)."""
+    try:
+        yield
+    except ConfigError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def is_loopback(host: str) -> bool:

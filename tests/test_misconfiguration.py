@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -22,7 +23,9 @@ CASES = [
     (["learner", "--max-staleness", "-2"], "--max-staleness"),
     (["learner", "--model.name", "no-such-model"], "--model.name"),
     (["learner", "--max-seq-len", "100000"], "--max-seq-len"),  # beyond tiny-llama's 256 positions
-    (["learner", "--update.lr-policy", "0"], "--lr-policy"),
+    (["learner", "--update.lr-policy", "0"], "--update.lr-policy"),
+    (["learner", "--update.algorithm", "grpo", "--update.critic-updates", "3"], "--update.critic-updates"),
+    (["learner", "--update.algorithm", "sao_k1", "--update.critic-updates", "2"], "--update.critic-updates"),
     (["learner", "--weights.transport", "collective", "--weights.collective-backend", "nccl"],
      "--weights.collective-backend"),  # NCCL needs the learner on CUDA
     (["producer", "--model", "no-such-model"], "--model"),
@@ -74,3 +77,15 @@ def test_a_producer_whose_model_is_not_the_learners_architecture_stops_at_start(
                          capture_output=True, text=True, timeout=60, cwd=tmp_path,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 2 and "--model" in out.stderr and "architecture" in out.stderr, out.stderr[-2000:]
+
+
+def test_the_learner_under_torchrun_reports_a_misconfiguration_in_one_line_too(tmp_path):
+    """`torchrun -m learner.service` runs the module itself, not `sao learner`: the same one line
+    naming the flag, exit status 2, no traceback (on every rank, each parsing its own flags)."""
+    out = subprocess.run([sys.executable, "-m", "learner.service", "--update.algorithm", "grpo",
+                          "--update.warmup-steps", "5", *KAFKA], capture_output=True, text=True, timeout=60,
+                         cwd=tmp_path, env=CHILD_ENV)
+    assert out.returncode == 2, out.stderr[-2000:]
+    said = " ".join(re.sub(r"[│╭╮╰╯─]", " ", out.stderr).split())  # tyro boxes and wraps the message
+    assert "--update.warmup-steps 5: --update.algorithm grpo has no critic" in said, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr, out.stderr[-2000:]

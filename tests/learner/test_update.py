@@ -25,7 +25,7 @@ from producers.envs import make_env
 from producers.episode import play_tasks
 from producers.generate.base import SamplingParams
 from producers.generate.hf import HFGenerator
-from schemas.config import from_env
+from schemas.config import ConfigError, from_env
 
 REQUIRED_METRICS = {
     "loss/policy", "loss/value", "dis/kept_frac", "dis/masked_low_frac", "dis/masked_high_frac",
@@ -69,7 +69,7 @@ def same(a, b):
 
 def test_warm_up_trains_only_the_critic_for_ten_steps():
     update = build("sao")
-    assert update.cfg.warmup_steps == 10
+    assert update.settings.warmup_steps == 10
     policy0 = [p.detach().clone() for p in update.policy.parameters()]
     critic0 = [p.detach().clone() for p in update.critic.parameters()]
     trajs = rollouts(update)
@@ -245,14 +245,15 @@ def test_running_mean_starts_at_zero_advantage_then_uses_history():
 @pytest.mark.parametrize("algorithm", ["sao", "grpo", "running_mean"])
 def test_state_dict_round_trip_resumes_bit_identically(algorithm):
     batches = [rollouts(build(algorithm), seed=s, num_prompts=2, group_size=2) for s in range(3)]
-    a = build(algorithm, warmup_steps=1)
+    warm = {"warmup_steps": 1} if algorithm == "sao" else {}  # the others have no critic to warm
+    a = build(algorithm, **warm)
     for trajs in batches:
         a.step(trajs)
-    b = build(algorithm, warmup_steps=1)
+    b = build(algorithm, **warm)
     for trajs in batches[:2]:
         b.step(trajs)
     saved = copy.deepcopy(b.state_dict())  # models, optimizers, counters: one state
-    c = build(algorithm, seed=1, warmup_steps=1)
+    c = build(algorithm, seed=1, **warm)
     c.load_state_dict(saved)
     c.step(batches[2])
     assert same(params_of(a), params_of(c))
@@ -284,10 +285,20 @@ def test_config_presets_overrides_validation_and_environment():
     assert UpdateConfig(algorithm="grpo").settings.warmup_steps == 0
     assert UpdateConfig(running_mean_scope="global").window == 128
     assert UpdateConfig().window == 8
-    with pytest.raises(ValueError, match="--lr-policy"):
+    with pytest.raises(ConfigError, match="--update.lr-policy must be > 0"):
         UpdateConfig(lr_policy=0.0)
-    with pytest.raises(ValueError, match="--eps-low"):
+    with pytest.raises(ConfigError, match="--update.eps-low"):
         UpdateConfig(eps_low=1.5)
+    # a knob the algorithm cannot honour is refused, never silently overridden
+    with pytest.raises(ConfigError, match="--update.critic-updates 3: --update.algorithm grpo has no critic"):
+        UpdateConfig(algorithm="grpo", critic_updates=3)
+    with pytest.raises(ConfigError, match="--update.warmup-steps 5: --update.algorithm running_mean has no critic"):
+        UpdateConfig(algorithm="running_mean", warmup_steps=5)
+    with pytest.raises(ConfigError, match="--update.critic-updates 2: sao_k1 is the one-update ablation"):
+        UpdateConfig(algorithm="sao_k1", critic_updates=2)
+    assert UpdateConfig(algorithm="sao", critic_updates=4, warmup_steps=3).settings.critic_updates == 4
+    assert UpdateConfig(algorithm="sao", critic_updates=4, warmup_steps=3).settings.warmup_steps == 3
+    assert UpdateConfig(algorithm="grpo", warmup_steps=0).settings.warmup_steps == 0
     cfg = from_env(UpdateConfig, {"SAO_ALGORITHM": "grpo_dis", "SAO_EPS_LOW": "0.5",
                                   "SAO_VALUE_CLIP": "none", "SAO_LOSS_AGG": "seq_mean_token_mean"})
     assert (cfg.algorithm, cfg.eps, cfg.value_clip, cfg.loss_agg) == (
