@@ -24,6 +24,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -38,6 +39,7 @@ from schemas.config import ConfigError
 from schemas.kafka import KafkaConfig, consumer_error, make_consumer, produce_and_wait, read_ranges
 from schemas.messages import AnchorRequest, SchemaError, Weights
 from schemas.retry import retrying
+from schemas.signing import load_signer
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,9 @@ class WeightsConfig:
     collective_timeout_s: float = 30.0
     """collective: an engine that has not taken a bucket of an update within this many seconds is
     dropped from the broadcast (it catches up from anchors and deltas and links again)."""
+    signing_key: str = ""
+    """Ed25519 private key (PEM, `sao keys`) that signs every announcement, so that followers
+    trusting its public key load only this learner's weights; empty: announcements go unsigned."""
 
     def __post_init__(self):
         for name in ("anchor_every", "bucket_mb"):
@@ -78,6 +83,7 @@ class WeightsConfig:
                               f"the largest message sao.weights takes), got {self.inline_bytes}")
         if self.collective_timeout_s <= 0:
             raise ConfigError("--weights.collective-timeout-s must be > 0")
+        self.signer = load_signer(Path(self.signing_key)) if self.signing_key else None  # a bad key: at start
 
 
 def snapshot(model: nn.Module, dtype: torch.dtype, bucket_bytes: int,
@@ -209,6 +215,8 @@ class Publisher:
         w = Weights(version=version, step=step, base=payload.base, digest=digest,
                     num_bytes=payload.num_bytes, uri=uri, payload=payload.to_bytes() if inline else b"",
                     store=self.store.root.resolve().as_uri(), dtype=self.cfg.dtype)
+        if self.cfg.signer is not None:
+            w = self.cfg.signer.sign(w)
         written = time.perf_counter()
         self.announce(w)
         announced = time.perf_counter()

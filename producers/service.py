@@ -286,7 +286,7 @@ def run(cfg: ProducerConfig, stop: threading.Event | None = None) -> None:
     generator, model, backend = None, cfg.model, cfg.backend
     if cfg.model == FROM_LEARNER:  # the architecture and tokenizer are the learner's: wait for them
         ensure_topics(cfg.kafka)
-        if (store := learner_store(cfg.kafka, stop)) is None:
+        if (store := learner_store(cfg.kafka, stop, trusted=cfg.weights.trusted)) is None:
             return
         backend = choose_backend(cfg.backend, store)
         # no version until the learner's loads

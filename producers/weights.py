@@ -53,6 +53,7 @@ from schemas.config import ConfigError
 from schemas.kafka import KafkaConfig, consumer_error, make_consumer, make_producer, produce_and_wait, read_ranges
 from schemas.messages import AnchorRequest, SchemaError, Weights
 from schemas.retry import retrying
+from schemas.signing import load_trusted, refusal
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,13 @@ class FollowConfig:
     the host)."""
     scratch_dir: str = ""
     """Folder for the full file handed to the engine at each update (one kept); "": a temporary folder."""
+    trusted_keys: str = ""
+    """Comma-separated Ed25519 public keys (PEM, `sao keys`) of the learner: an announcement not
+    signed by one of them is refused, logged and counted, and the engine keeps its weights (two
+    keys during a rotation); empty: announcements are not verified (said once at start)."""
+
+    def __post_init__(self):
+        self.trusted = load_trusted(self.trusted_keys) if self.trusted_keys else None  # a bad file: at start
 
 
 def weights_reader(kafka: KafkaConfig):
@@ -86,7 +94,8 @@ def weights_reader(kafka: KafkaConfig):
     return consumer
 
 
-def learner_store(kafka: KafkaConfig, stop: threading.Event, poll_s: float = 0.5) -> Path | None:
+def learner_store(kafka: KafkaConfig, stop: threading.Event, poll_s: float = 0.5,
+                  trusted: dict | None = None) -> Path | None:
     """The learner's weight store folder, found through its first announcement on `sao.weights`
     (waiting for one: a producer may start before the learner); None once `stop` is set. The
     folder holds the `config.json` and `model.json` the learner writes at start (learner/store.py)."""
@@ -99,9 +108,12 @@ def learner_store(kafka: KafkaConfig, stop: threading.Event, poll_s: float = 0.5
                     log.info("--model learner: waiting for the learner's first weights on %s", kafka.topic(T.WEIGHTS))
                     next_log += 30
                 continue
+            w, refused = decode_announcement(msg, trusted)  # with trusted keys, only the learner names its store
+            if w is None:
+                continue
             try:
-                folder = local_path(Weights.decode(msg.value() or b"").store)
-            except (SchemaError, WeightsError) as e:
+                folder = local_path(w.store)
+            except WeightsError as e:
                 log.error("weights announcement at offset %d unusable: %s", msg.offset(), e)
                 continue
             if (folder / "config.json").is_file() and (folder / "model.json").is_file():
@@ -130,17 +142,23 @@ def read_backlog(consumer, keep_anchors: int, decode: Callable[[object], Weights
     return got
 
 
-def decode_announcement(msg) -> tuple[Weights | None, bool]:
-    """(the announcement `msg` holds, whether it was undecodable): (None, False) for no message or
-    a transient error; an undecodable one is logged, not dead-lettered (every reader of the topic
-    reads it: each would send its own copy)."""
+def decode_announcement(msg, trusted: dict | None = None) -> tuple[Weights | None, str]:
+    """(the announcement `msg` holds if it may be acted on, else None; "" or why not: `invalid`,
+    or with `trusted` keys `unsigned`, `untrusted`, `forged` (schemas/signing.py)). No message or a
+    transient error is (None, ""). A refused one is logged, not dead-lettered (every reader of the
+    topic reads it: each would send its own copy)."""
     if msg is None or consumer_error(msg):
-        return None, False
+        return None, ""
     try:
-        return Weights.decode(msg.value() or b""), False
+        w = Weights.decode(msg.value() or b"")
     except SchemaError as e:
         log.error("invalid weights announcement at offset %d: %s", msg.offset(), e)
-        return None, True
+        return None, "invalid"
+    if trusted is not None and (why := refusal(w, trusted)):
+        log.error("weights announcement of version %d at offset %d refused: %s (key %s)", w.version,
+                  msg.offset(), why, w.key_id or "none")
+        return None, why
+    return w, ""
 
 
 def prune(history: list[Weights], keep_anchors: int) -> list[Weights]:
@@ -163,6 +181,12 @@ class WeightSubscriber:
         # so it gets the uri itself and this process reads no payload
         self.poll_s, self.keep_anchors = poll_s, keep_anchors
         self.counts = {"loaded": 0, "rejected": 0, "ignored": 0, "invalid": 0, "anchor_asks": 0}
+        self.trusted = follow.trusted
+        if self.trusted is not None:
+            self.counts |= {"unsigned": 0, "untrusted": 0, "forged": 0}
+        else:
+            log.warning("weights announcements are not verified: anyone who can write %s decides what this "
+                        "engine runs (give --weights.trusted-keys)", kafka.topic(T.WEIGHTS))
         self.handled = 0  # valid announcements acted on (backlog and live): what a caller can wait for
         self.by_source = {"inline": 0, "file": 0, "collective": 0}  # updates loaded, by how their bytes came
         self.last: dict[str, float] = {}
@@ -217,8 +241,9 @@ class WeightSubscriber:
             consumer.close()
 
     def _decode(self, msg) -> Weights | None:
-        w, invalid = decode_announcement(msg)
-        self.counts["invalid"] += invalid
+        w, refused = decode_announcement(msg, self.trusted)
+        if refused:
+            self.counts[refused] += 1
         return w
 
     def _backlog(self, consumer) -> list[Weights]:

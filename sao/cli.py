@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "producer": ("producers.service", "ProducerConfig", "play prompts from sao.prompts, publish trajectories"),
     "feed": ("producers.feeder.service", "FeedConfig", "publish prompts (JSONL or env generator) with backpressure"),
     "warmup": ("sao.warmup", "WarmupConfig", "teach a base model an env's own demonstrations before RL (the cold start)"),
+    "keys": ("sao.keys", "KeysConfig", "a new Ed25519 key pair: the learner signs weight announcements, followers verify"),
     "export": ("sao.export", "ExportConfig", "write a policy version as a folder transformers and vllm serve load"),
     "eval": ("producers.evaluate.service", "EvalConfig", "score every Nth weight version on held-out tasks, publish the results"),
     "serve": ("producers.serve.service", "ServeConfig", "completions and chat (rollout proxy) over the hf backend, following sao.weights"),

@@ -50,6 +50,9 @@ class ExportConfig:
     store, the announcements name it."""
     adapter: bool = True
     """LoRA runs: also write the adapter alone as a PEFT folder, <out>/adapter."""
+    trusted_keys: str = ""
+    """Comma-separated Ed25519 public keys (PEM) of the learner: from the weight store, only
+    announcements it signed are used (as a producer's --weights.trusted-keys); empty: not verified."""
     kafka: KafkaConfig = field(default_factory=KafkaConfig)
 
 
@@ -67,16 +70,18 @@ class Policy:
 
 # ---------------------------------------------------------------- where the weights come from
 
-def from_weights(kafka: KafkaConfig, version: int = -1) -> Policy:
+def from_weights(kafka: KafkaConfig, version: int = -1, trusted: dict | None = None) -> Policy:
     """Version `version` (-1: the newest) rebuilt from `sao.weights` and the store its
-    announcements name, verified link by link and against its digest."""
+    announcements name, verified link by link and against its digest (and with `trusted` keys,
+    from announcements the learner signed only)."""
     from producers.updates import WeightsError, local_path, plan, rebuild
     from producers.weights import decode_announcement, read_backlog, weights_reader
     from schemas import weights as W
 
     consumer = weights_reader(kafka)
     try:
-        history = read_backlog(consumer, 1 << 30, lambda m: decode_announcement(m)[0], threading.Event(), 0.5)
+        history = read_backlog(consumer, 1 << 30, lambda m: decode_announcement(m, trusted)[0], threading.Event(),
+                               0.5)
     finally:
         consumer.close()
     if not history:
@@ -204,8 +209,11 @@ def _peft_folder(adapters: dict[str, torch.Tensor], scale: float, base: str, fol
 
 
 def run(cfg: ExportConfig) -> Path:
+    from schemas.signing import load_trusted
+
+    trusted = load_trusted(cfg.trusted_keys, "--trusted-keys") if cfg.trusted_keys else None
     policy = (from_checkpoint(cfg.checkpoint, cfg.weights_dir, cfg.version) if cfg.checkpoint is not None
-              else from_weights(cfg.kafka, cfg.version))
+              else from_weights(cfg.kafka, cfg.version, trusted))
     out = write(policy, cfg.out, adapter=cfg.adapter)
     log.info("exported version %d (%s) to %s", policy.version, policy.source, out)
     print(out, flush=True)

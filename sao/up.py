@@ -35,6 +35,7 @@ from sao.broker import BrokerConfig, cluster, embedded_unless_named, free_port
 from sao.dashboard import Dashboard
 from sao.supervisor import Supervisor
 from schemas.config import ConfigError
+from schemas.signing import PRIVATE_FILE, PUBLIC_FILE, create_keys, load_trusted
 from schemas.kafka import KafkaConfig, ensure_topics
 from schemas.process import stop_on_signals
 
@@ -118,18 +119,23 @@ def backend_line(backend: str) -> str:
 
 
 def commands(cfg: UpConfig, ports: dict[str, int], feed_seed: int = 0) -> dict[str, list[str]]:
-    """Each child's command line; `ports` names a Prometheus port for each producer and the evaluator."""
+    """Each child's command line; `ports` names a Prometheus port for each producer and the evaluator.
+    The learner signs its weights with the run's key; producers and the evaluator load only what it
+    signed (RUN_DIR/keys, made by `run`)."""
     kafka = ["--kafka.bootstrap", cfg.kafka.bootstrap, "--kafka.topic-prefix", cfg.kafka.topic_prefix]
+    keys = cfg.run_dir / "keys"
+    signing, trusted = str(keys / PRIVATE_FILE), str(keys / PUBLIC_FILE)
     lag = ["--max-lag", str(round(cfg.max_lag_steps * cfg.batch_trajectories))]
     cmds = {"learner": _sao("learner", "--run-dir", str(cfg.run_dir / "learner"),
                             "--weights-dir", str(cfg.run_dir / "weights"), "--model.name", cfg.model,
                             "--batch-trajectories", str(cfg.batch_trajectories), "--max-steps", str(cfg.steps),
+                            "--weights.signing-key", signing,
                             *cfg.learner_flags.split(), *kafka)}
     for name, port in ((n, p) for n, p in ports.items() if n.startswith("producer-")):
         # `--model learner`: the producers build the learner's published architecture and load its weights
         cmds[name] = _sao("producer", "--backend", cfg.producer_backend, "--env", cfg.env, "--model", "learner", "--producer-id", name,
                           "--max-tokens", str(cfg.max_tokens), "--metrics-port", str(port), "--log-every-s", "10",
-                          *lag, *cfg.producer_flags.split(), *kafka)
+                          "--weights.trusted-keys", trusted, *lag, *cfg.producer_flags.split(), *kafka)
     if cfg.judge:  # live rewards: pending trajectories -> judge -> sao.rewards -> joiner -> learner
         cmds["judge"] = _sao("judge", "--model", cfg.model, "--criteria", cfg.judge, "--log-every-s", "10", *kafka)
         cmds["reward-join"] = _sao("reward-join", "--data-dir", str(cfg.run_dir / "joiner"), *kafka)
@@ -139,7 +145,8 @@ def commands(cfg: UpConfig, ports: dict[str, int], feed_seed: int = 0) -> dict[s
                             "--samples", str(cfg.eval_samples), "--heldout-frac", str(cfg.heldout_frac),
                             "--backend", cfg.producer_backend, "--max-tokens", str(cfg.max_tokens),
                             "--out", str(cfg.run_dir / "eval.jsonl"), "--evaluator-id", "eval",
-                            "--metrics-port", str(ports["eval"]), *reward, *cfg.eval_flags.split(), *kafka)
+                            "--metrics-port", str(ports["eval"]), "--trusted-keys", trusted, *reward,
+                            *cfg.eval_flags.split(), *kafka)
     cmds["feeder"] = _sao("feed", "--env", cfg.env, "--max-unfinished", str(4 * cfg.batch_trajectories),
                           "--group-size", str(cfg.group_size), "--heldout-frac", str(cfg.heldout_frac), "--seed", str(feed_seed), *lag, *kafka)
     return cmds
@@ -173,7 +180,7 @@ def supervise(cfg: UpConfig, sup: Supervisor, dash: Dashboard, stop) -> str | No
 
 
 RUN_STATE = ("learner", "weights", "joiner", "logs", "processes.json", "report.png", "summary.txt", "eval.jsonl",
-             "model", "kafka", "up.json")
+             "model", "kafka", "up.json", "keys")
 """What one run leaves in its run dir."""
 
 
@@ -192,7 +199,7 @@ def export_final(cfg: UpConfig) -> None:
     from sao.export import from_weights, write
 
     try:
-        policy = from_weights(cfg.kafka)
+        policy = from_weights(cfg.kafka, trusted=load_trusted(str(cfg.run_dir / "keys" / PUBLIC_FILE)))
         print(f"model: version {policy.version} exported to {write(policy, cfg.run_dir / 'model')}", flush=True)
     except (ConfigError, WeightsError) as e:  # the run's results stand without it
         print(f"model: not exported ({e})", flush=True)
@@ -210,6 +217,8 @@ def start_afresh(run_dir: Path) -> None:
 
 def run_up(cfg: UpConfig) -> None:
     ensure_topics(cfg.kafka)
+    if not (cfg.run_dir / "keys" / PRIVATE_FILE).exists():  # a resumed run keeps its key
+        create_keys(cfg.run_dir / "keys")
     ports = {f"producer-{i}": free_port() for i in range(cfg.producers)} | {"eval": free_port()}
     # one thread per process unless told otherwise: N processes each taking every core thrash
     env = {"OMP_NUM_THREADS": "1", **os.environ, "SAO_LOG_LEVEL": os.environ.get("SAO_LOG_LEVEL", "INFO"),

@@ -280,6 +280,10 @@ class Weights(_Message):
     dtype: str = "bfloat16"
     format: str = "safetensors"
     created_at: float = field(default_factory=_now)
+    key_id: str = ""
+    """Id of the learner's key that signed it; "" unsigned (schemas/signing.py)."""
+    signature: bytes = b""
+    """Ed25519 signature over the fields that decide what is loaded (schemas/signing.py)."""
 
     @property
     def key(self) -> bytes:
@@ -292,7 +296,8 @@ class Weights(_Message):
     def _fields(self) -> dict:
         return {"version": self.version, "step": self.step, "created_at": float(self.created_at),
                 "base": self.base, "uri": self.uri, "payload": self.payload, "store": self.store,
-                "format": self.format, "digest": self.digest, "num_bytes": self.num_bytes, "dtype": self.dtype}
+                "format": self.format, "digest": self.digest, "num_bytes": self.num_bytes, "dtype": self.dtype,
+                "key_id": self.key_id, "signature": self.signature}
 
     @classmethod
     def _from_map(cls, m: dict, limits: Limits) -> Weights:
@@ -310,9 +315,12 @@ class Weights(_Message):
             raise SchemaError("payload", "exactly one of uri and payload must be set")
         if payload and len(payload) != num_bytes:
             raise SchemaError("payload", f"{len(payload)} bytes, announced {num_bytes}")
+        # announcements written before signing existed have neither field: unsigned
+        signed = ({"key_id": string(m, "key_id", limits), "signature": binary(m, "signature", limits)}
+                  if "signature" in m or "key_id" in m else {})
         return cls(version=version, step=integer(m, "step", lo=0), digest=digest, num_bytes=num_bytes,
                    base=base, uri=uri, payload=payload, store=string(m, "store", limits),
-                   dtype=string(m, "dtype", limits), format=fmt, created_at=number(m, "created_at"))
+                   dtype=string(m, "dtype", limits), format=fmt, created_at=number(m, "created_at"), **signed)
 
 
 @dataclass(kw_only=True, eq=False)
@@ -417,7 +425,7 @@ class Evaluation(_Message):
 KINDS: dict[str, type[_Message]] = {c.kind: c for c in (Prompt, Trajectory, Reward, Weights, DeadLetter,
                                                         AnchorRequest, Evaluation)}
 _FIELD_NAMES = {c: {"v", "kind", *(f.name for f in dataclasses.fields(c))} for c in KINDS.values()}
-_SINCE_3 = {"tool_calls", "tool_errors"}
+_SINCE_3 = {"tool_calls", "tool_errors", "key_id", "signature"}
 Message = Prompt | Trajectory | Reward | Weights | DeadLetter | AnchorRequest | Evaluation
 
 

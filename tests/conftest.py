@@ -46,6 +46,7 @@ SLOW = [
     "producers/test_plugins.py",
     "producers/test_proxy.py",
     "producers/test_service.py",
+    "producers/test_signed_weights.py",
     "producers/test_vllm.py",
     "producers/test_vllm_pipeline.py",
     "producers/test_weights.py",

@@ -107,6 +107,10 @@ def test_a_run_of_two_environments_scores_first_and_last_versions_on_each_and_re
     assert "process eval: stopped, 0 restart(s)" in summary, summary
     assert f"model: version 7 exported to {tmp_path / 'model'}" in out.stdout, out.stdout[-2000:]
     assert json.loads((tmp_path / "model" / "export.json").read_text())["version"] == 7
+    from schemas.signing import load_trusted, refusal
+    from tests.learner.service_util import announcements
+    trusted = load_trusted(str(tmp_path / "keys" / "learner.pub"))  # the run's own key: every version signed
+    assert {refusal(w, trusted) for w in announcements(kafka_cfg, timeout=5)} == {""}
     assert (tmp_path / "model" / "model.safetensors").is_file()
 
 

@@ -53,6 +53,7 @@ from schemas.kafka import KafkaConfig, ensure_topics, make_consumer, make_produc
 from schemas.messages import Evaluation, SchemaError
 from schemas.process import stop_on_signals
 from schemas.retry import retrying
+from schemas.signing import load_trusted
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,9 @@ class EvalConfig:
     """Who measured, in every result; default host-pid."""
     metrics_port: int = 0
     """Serve Prometheus metrics on this port (0: off)."""
+    trusted_keys: str = ""
+    """Comma-separated Ed25519 public keys (PEM) of the learner: only announcements it signed are
+    evaluated (as a producer's --weights.trusted-keys); empty: not verified."""
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     kafka: KafkaConfig = field(default_factory=KafkaConfig)
@@ -137,6 +141,7 @@ class EvalConfig:
             raise ConfigError(f"--{e}".replace("_", "-", 1)) from None
         if not self.evaluator_id:
             self.evaluator_id = f"{socket.gethostname()}-{os.getpid()}"
+        self.trusted = load_trusted(self.trusted_keys, "--trusted-keys") if self.trusted_keys else None
 
     @property
     def model(self) -> str:
@@ -267,7 +272,7 @@ def run(cfg: EvalConfig, stop: threading.Event | None = None) -> int:
     stop = stop_on_signals(stop)
     metrics = EvalMetrics(cfg.metrics_port)  # up (and healthy) while it waits for the learner
     ensure_topics(cfg.kafka)
-    if (store := learner_store(cfg.kafka, stop)) is None:
+    if (store := learner_store(cfg.kafka, stop, trusted=cfg.trusted)) is None:
         metrics.close()
         return 0
     backend = choose_backend(cfg.backend, store)
@@ -283,7 +288,7 @@ def run(cfg: EvalConfig, stop: threading.Event | None = None) -> int:
             log.info("eval %s: %d tasks of %s (split %s)", cfg.name, len(tasks), name, split)
         # a version is settled once every environment has its score (a restart scores only the missing)
         scored = {name: scored_versions(cfg.kafka, cfg.name, name) for name in suites}
-        versions, producer = Versions(cfg.kafka, generator), make_producer(cfg.kafka)
+        versions, producer = Versions(cfg.kafka, generator, trusted=cfg.trusted), make_producer(cfg.kafka)
         evaluator = Evaluator(cfg, suites, versions, producer, metrics)
 
         def settled() -> set[int]:

@@ -47,9 +47,10 @@ class Versions:
     """The announcements on `sao.weights` (from the `keep_anchors`-th newest anchor on) and one
     version held in `generator`, loaded on request."""
 
-    def __init__(self, kafka: KafkaConfig, generator: Generator, *, keep_anchors: int = 2, poll_s: float = 0.2):
-        self.generator, self.keep_anchors, self.poll_s = generator, keep_anchors, poll_s
-        self.invalid = 0
+    def __init__(self, kafka: KafkaConfig, generator: Generator, *, keep_anchors: int = 2, poll_s: float = 0.2,
+                 trusted: dict | None = None):
+        self.generator, self.keep_anchors, self.poll_s, self.trusted = generator, keep_anchors, poll_s, trusted
+        self.refused: dict[str, int] = {}  # announcements not acted on, by why (invalid, unsigned, forged, ...)
         self._consumer = weights_reader(kafka)
         self._stop = threading.Event()
         self.history = read_backlog(self._consumer, keep_anchors, self._decode, self._stop, poll_s)
@@ -101,8 +102,9 @@ class Versions:
         return chain[-1]
 
     def _decode(self, msg) -> Weights | None:
-        w, invalid = decode_announcement(msg)
-        self.invalid += invalid
+        w, refused = decode_announcement(msg, self.trusted)
+        if refused:
+            self.refused[refused] = self.refused.get(refused, 0) + 1
         return w
 
     def close(self) -> None:
