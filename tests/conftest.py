@@ -72,6 +72,8 @@ LONGEST_FIRST = [
     "test_broker_faults.py",
     "test_compose.py",
     "learner/test_service.py",
+    "test_resume.py",
+    "test_export.py",
     "bench/test_pipeline_stability.py",
     "producers/test_vllm_pipeline.py",
     "test_cli.py",

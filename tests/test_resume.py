@@ -21,7 +21,7 @@ from sao.broker import free_port
 from schemas.kafka import wait_for_broker
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = 12
+STEPS = 9
 
 
 def _env() -> dict:
@@ -67,7 +67,7 @@ def test_a_run_stopped_by_sigterm_and_by_sigkill_of_its_tree_resumes_and_loses_n
              "--learner-flags=--update.warmup-steps 1 --update.lr-policy 3e-3 --update.lr-critic 3e-3 "
              "--checkpoint-every 2")
     try:
-        _until_step(up, run_dir, 3)
+        _until_step(up, run_dir, 2)
         up.send_signal(signal.SIGTERM)
         out, _ = up.communicate(timeout=180)
         assert up.returncode == 0, out[-3000:]
@@ -75,7 +75,7 @@ def test_a_run_stopped_by_sigterm_and_by_sigkill_of_its_tree_resumes_and_loses_n
         assert first < STEPS, "the run was to be stopped mid-way"
 
         up = _up("--resume", str(run_dir))  # SIGKILLed with its whole tree: no clean stop of anything
-        _until_step(up, run_dir, first + 3)
+        _until_step(up, run_dir, first + 2)
         os.killpg(up.pid, signal.SIGKILL)
         up.wait(30)
         assert _gone(up.pid), "a process of the killed run lived on"
