@@ -355,7 +355,7 @@ def test_each_algorithm_name_resolves_once_into_its_settings():
                    "grpo": ("group", "ppo_clip", 0, False, 0), "grpo_dis": ("group", "dis", 0, False, 0),
                    "running_mean": ("running_mean", "dis", 0, False, 0),
                    "vapo": ("gae", "ppo_clip", 2, True, 10)}
-    with pytest.raises(ValueError, match="--algorithm"):
+    with pytest.raises(ValueError, match="--update.algorithm"):
         algorithm_settings("ppo")
 
 
