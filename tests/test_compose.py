@@ -1,6 +1,7 @@
 """docker-compose.yml: every profile and override validates, the Dockerfiles lint clean, and the CPU
 topology really runs on a Docker engine (started here if none runs): Kafka, topics, learner, three
-hf producers, a vLLM producer on CPU, the feeder and the evaluator; a producer SIGKILLed mid-run
+hf producers, a vLLM producer on CPU, the feeder and the evaluator, on weights the learner signs
+and every follower verifies; a producer SIGKILLed mid-run
 loses no prompt, and the evaluator scores the first version and later ones;
 `down -v` leaves nothing. A second, shorter project on the same image brings up the cluster
 override (three Kafka containers): topics replicated three times, a node SIGKILLed, nothing lost.
@@ -26,6 +27,7 @@ import yaml
 
 from sao.broker import free_port
 from schemas import topics as T
+from schemas.signing import load_trusted, refusal
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE, PORTS, HOST, GPU, CLUSTER = (str(ROOT / f"docker-compose{x}.yml")
@@ -187,6 +189,15 @@ def test_cpu_topology_trains_survives_a_producer_sigkill_and_leaves_nothing(engi
         _wait("3 hf producers and the vLLM one on the learner's first weights",
               lambda: len(_producer_versions(project)) == 4, 900, project)
         run("up", "-d", "--no-build", "--no-deps", "feeder", timeout=300)
+
+        # every announcement signed by the learner's key, which the producers (on v0 above) verified
+        public = run("exec", "-T", "learner", "cat", "/weights/learner.pub").stdout
+        (keyfile := ROOT / f".{name}.pub").write_text(public)
+        try:
+            trusted = load_trusted(str(keyfile))
+        finally:
+            keyfile.unlink()
+        assert {refusal(w, trusted) for w in _read_topic(bootstrap, "sao.weights")} == {""}
 
         def versions_reported():
             weights = [m.version for m in _read_topic(bootstrap, "sao.weights")]

@@ -105,3 +105,18 @@ def test_unreadable_or_wrong_keys_are_refused_at_start(tmp_path):
         WeightsConfig(signing_key=str(pub))  # a public key where the private one goes
     with pytest.raises(ConfigError, match="--weights.trusted-keys"):
         FollowConfig(trusted_keys=str(tmp_path / "missing.pub"))
+
+
+def test_sao_keys_makes_a_pair_once_keeps_it_on_every_start_and_copies_the_public_half(tmp_path):
+    from sao.keys import KeysConfig, run
+
+    cfg = KeysConfig(out=tmp_path / "keys", keep=True, public_copy=tmp_path / "weights" / "learner.pub")
+    run(cfg)
+    first = load_signer(tmp_path / "keys" / "learner.key").key_id
+    run(cfg)  # the stack started again: the same key
+    assert load_signer(tmp_path / "keys" / "learner.key").key_id == first
+    assert set(load_trusted(str(tmp_path / "weights" / "learner.pub"))) == {first}
+    with pytest.raises(ConfigError, match="holds a key pair already"):
+        run(KeysConfig(out=tmp_path / "keys"))
+    run(KeysConfig(out=tmp_path / "keys", force=True))
+    assert load_signer(tmp_path / "keys" / "learner.key").key_id != first
