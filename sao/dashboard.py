@@ -14,7 +14,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from producers.evaluate.scores import headline
+from producers.evaluate.scores import by_env, headline
 from sao.supervisor import Supervisor
 from schemas import topics as T
 from schemas.kafka import KafkaConfig
@@ -80,10 +80,9 @@ def evaluation_line(results: list[dict]) -> str:
     per environment (`env: …; env: …`) where several are evaluated."""
     if not results:
         return "-"
-    envs = list(dict.fromkeys(r.get("env", "") for r in results))
+    envs = by_env(results)
     lines = []
-    for env in envs:
-        scored = [r for r in results if r.get("env", "") == env]
+    for env, scored in envs.items():
         name, value = headline(scored[-1])
         line = f"{env + ': ' if len(envs) > 1 else ''}v{scored[-1]['version']} {name} {value:.3f}"
         if len(scored) > 1:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import tyro
 
-from producers.evaluate.scores import headline
+from producers.evaluate.scores import by_env, headline
 
 PANELS = [("reward/mean", "mean reward"), ("value/explained_var", "critic explained variance"),
           ("dis/kept_frac", "DIS kept fraction"), ("stale/p99", "staleness p99 (versions)"),
@@ -51,10 +51,9 @@ def load_evaluations(run_dir: Path) -> list[dict]:
 def evaluation_summary(results: list[dict]) -> list[str]:
     """The held-out score of the first and the last version evaluated, and the change; one line
     per environment where the run evaluated several."""
-    envs = list(dict.fromkeys(r.get("env", "") for r in results))
+    envs = by_env(results)
     lines = []
-    for env in envs:
-        scored = [r for r in results if r.get("env", "") == env]
+    for env, scored in envs.items():
         first, last = scored[0], scored[-1]
         name, before = headline(first)
         after = headline(last)[1]

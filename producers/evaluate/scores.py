@@ -65,3 +65,12 @@ def headline(metrics: dict[str, float]) -> tuple[str, float]:
         if name in metrics:
             return name, metrics[name]
     return "", math.nan
+
+
+def by_env(results: list[dict]) -> dict[str, list[dict]]:
+    """Evaluation records (eval.jsonl lines) per environment, environments in first-seen order and
+    each one's records in the order measured."""
+    grouped: dict[str, list[dict]] = {}
+    for r in results:
+        grouped.setdefault(r.get("env", ""), []).append(r)
+    return grouped
