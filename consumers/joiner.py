@@ -109,7 +109,8 @@ class Joiner:
         Path(cfg.data_dir).mkdir(parents=True, exist_ok=True)  # faust makes only the last level
         big = T.MAX_RECORD_BYTES
         self.app = app = faust.App(
-            cfg.app_name, broker=f"kafka://{cfg.kafka.bootstrap}", store=f"{cfg.store}://",
+            cfg.app_name, broker=[f"kafka://{b}" for b in cfg.kafka.bootstrap.split(",")], store=f"{cfg.store}://",
+            broker_credentials=cfg.kafka.faust_credentials(),  # TLS and SASL as every other client has them
             datadir=cfg.data_dir, topic_partitions=T.PENDING.partitions,
             processing_guarantee="exactly_once" if cfg.exactly_once else "at_least_once",
             producer_max_request_size=big, consumer_max_fetch_size=big,

@@ -18,7 +18,7 @@ import logging
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from learner.store import atomic_file
+from schemas.files import atomic_file
 
 log = logging.getLogger(__name__)
 

@@ -22,19 +22,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.utils._pytree import tree_map_only
 
+from schemas.files import atomic_file, fsync_dir
 from schemas.weights import Payload
-
-
-def atomic_file(path: Path, write: Callable[[Path], None]) -> int:
-    """`write(tmp)` then fsync and rename over `path`; returns the file's size."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    write(tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    size = tmp.stat().st_size
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)  # the rename itself must survive a crash
-    return size
 
 
 def _numbered(root: Path, pattern: str) -> list[tuple[int, Path]]:
@@ -150,7 +139,7 @@ class Checkpointer:
             final = self.root / f"step{step:08d}"
             shutil.rmtree(final, ignore_errors=True)  # a replay after a crash wrote it already
             os.replace(tmp, final)
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
             for _, old in _numbered(self.root, r"step(\d+)")[:-self.keep]:
                 shutil.rmtree(old, ignore_errors=True)
             then()
@@ -184,10 +173,3 @@ class Checkpointer:
         """Top-level keys of the tensors saved at `path` (which optimizers it holds)."""
         return {k.split(".")[0] for k in dcp.FileSystemReader(path).read_metadata().state_dict_metadata}
 
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

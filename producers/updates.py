@@ -18,6 +18,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from schemas import weights as W
+from schemas.files import atomic_file
 from schemas.messages import SchemaError, Weights
 
 
@@ -133,8 +134,10 @@ def write_full(state: Rebuilt, folder: Path) -> Path:
     """The full safetensors file an engine loads for `state` (merged if it holds LoRA adapters)."""
     tensors = merged(state.state, float(state.extra["lora_scale"])) if "lora_scale" in state.extra else state.state
     path = folder / f"v{state.version:08d}.safetensors"
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        W.anchor(tensors).write(f)
-    os.replace(tmp, path)
+    # not fsynced: a file lost to a crash is rebuilt from Kafka and the store
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
+            W.anchor(tensors).write(f)
+
+    atomic_file(path, write, durable=False)
     return path

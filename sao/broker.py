@@ -27,7 +27,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from sao.access import ADMIN, MECHANISM, client_env, client_settings, password, password_file
+from sao.access import apply as apply_access
+from sao.tls import BROKER_SUBJECT, CA_FILE, SERVER_FILE, make_tls
 from schemas.config import ConfigError
+from schemas.files import atomic_file
 from schemas.kafka import KafkaConfig, wait_for_broker
 from schemas.process import stop_on_signals
 from schemas.topics import MAX_RECORD_BYTES, replication
@@ -60,12 +64,26 @@ class BrokerConfig:
     """JVM heap of each node."""
     kind: str = "auto"
     """`kafka` (needs Java), `tansu` (memory-only fallback, one node) or `auto` (kafka when Java exists)."""
+    secure: bool = False
+    """Clients connect with TLS and SASL/SCRAM-SHA-512 only (no plaintext listener), ACLs are
+    enforced (KRaft's StandardAuthorizer; nothing is allowed that no ACL allows), the nodes'
+    controllers speak mutual TLS; then every service's principal gets its credentials and ACLs
+    (`sao access`), written to --access-dir (docs/security.md)."""
+    tls_dir: Path | None = None
+    """--secure: the folder with your CA's `ca.pem` and the brokers' `broker.pem` (PKCS#8 key, then
+    the certificate chain); unset: a throwaway CA made in <data-dir>/tls for --tls-hosts."""
+    tls_hosts: str = "localhost,127.0.0.1"
+    """--secure: the names the throwaway certificate is valid for (the hosts clients dial), comma separated."""
+    access_dir: Path | None = None
+    """--secure: each principal's password and env file (`sao access`); unset: <data-dir>/access."""
 
     def __post_init__(self):
         if self.brokers < 1 or not 0 <= self.node <= self.brokers:
             raise ConfigError(f"--brokers must be >= 1 and --node in 0..{self.brokers}, got {self.brokers}, {self.node}")
         if self.node and not (self.port and self.cluster_id):
             raise ConfigError("--node needs a fixed --port and the --cluster-id every node shares")
+        if self.secure and self.node and not (self.tls_dir and self.access_dir):
+            raise ConfigError("--secure --node needs the --tls-dir and --access-dir every node shares")
         if self.cluster_id and not _is_uuid(self.cluster_id):
             raise ConfigError(f"--cluster-id {self.cluster_id!r}: Kafka takes 16 bytes in URL-safe base64 "
                               "(22 characters, as `kafka-storage random-uuid` prints)")
@@ -97,16 +115,52 @@ def fetch_jars(cache: Path) -> Path:
     return cache
 
 
-def server_properties(node_id: int, data: Path, port: int, controller_port: int, voters: str, brokers: int) -> str:
+@dataclass(frozen=True)
+class Security:
+    """A secured cluster's TLS files and its admin's SCRAM password (the brokers' own identity)."""
+
+    tls: Path
+    admin_password: str
+
+    @property
+    def ca(self) -> Path:
+        return self.tls / CA_FILE
+
+    def admin_settings(self) -> dict[str, str]:
+        return client_settings(ADMIN, self.ca) | {"sasl.password": self.admin_password}
+
+    def properties(self) -> list[str]:
+        """Kafka's settings for TLS + SASL/SCRAM on the client listener, mutual TLS between
+        controllers, and ACLs (Kafka's security documentation, KRaft mode)."""
+        jaas = (f'org.apache.kafka.common.security.scram.ScramLoginModule required username="{ADMIN}" '
+                f'password="{self.admin_password}";')
+        return [
+            "listener.security.protocol.map=SASL_SSL:SASL_SSL,CONTROLLER:SSL",
+            "inter.broker.listener.name=SASL_SSL",
+            f"sasl.enabled.mechanisms={MECHANISM}",
+            f"sasl.mechanism.inter.broker.protocol={MECHANISM}",
+            f"listener.name.sasl_ssl.{MECHANISM.lower()}.sasl.jaas.config={jaas}",
+            "ssl.keystore.type=PEM", f"ssl.keystore.location={self.tls / SERVER_FILE}",
+            "ssl.truststore.type=PEM", f"ssl.truststore.location={self.ca}",
+            "listener.name.controller.ssl.client.auth=required",  # only the nodes' certificate
+            "authorizer.class.name=org.apache.kafka.metadata.authorizer.StandardAuthorizer",
+            "allow.everyone.if.no.acl.found=false",
+            f"super.users=User:{ADMIN};User:CN={BROKER_SUBJECT}",
+        ]
+
+
+def server_properties(node_id: int, data: Path, port: int, controller_port: int, voters: str, brokers: int,
+                      security: Security | None = None) -> str:
     rf, min_isr = replication(brokers)
+    client = "SASL_SSL" if security else "PLAINTEXT"
     return "\n".join([
         "process.roles=broker,controller",
         f"node.id={node_id}",
         f"controller.quorum.voters={voters}",
-        f"listeners=PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}",
-        f"advertised.listeners=PLAINTEXT://127.0.0.1:{port}",
+        f"listeners={client}://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}",
+        f"advertised.listeners={client}://127.0.0.1:{port}",
         "controller.listener.names=CONTROLLER",
-        "listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+        *(security.properties() if security else ["listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT"]),
         f"log.dirs={data / 'log'}",
         # internal topics (group offsets, transactions, share groups) replicated as ours are
         f"offsets.topic.replication.factor={rf}",
@@ -163,17 +217,22 @@ class KafkaNode:
     def bootstrap(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def kafka_commands(self, cfg: BrokerConfig, voters: str, cluster_id: str) -> tuple[list[str] | None, list[str]]:
+    def kafka_commands(self, cfg: BrokerConfig, voters: str, cluster_id: str,
+                       security: Security | None = None) -> tuple[list[str] | None, list[str]]:
         """(the command formatting its log folder, None once formatted; the command serving it)."""
         jars = fetch_jars(cfg.jar_cache)
         props = self.data_dir / "server.properties"
-        props.write_text(server_properties(self.id, self.data_dir, self.port, self.controller_port, voters,
-                                           cfg.brokers))
+        # it holds the admin's password when secured: readable by this user alone
+        atomic_file(props, server_properties(self.id, self.data_dir, self.port, self.controller_port, voters,
+                                             cfg.brokers, security).encode(), mode=0o600, durable=False)
         java = [shutil.which("java"), f"-Xmx{cfg.heap}", "-Xss1m", "-XX:+UseG1GC",
                 f"-Dlog4j2.configurationFile={self._log4j()}",
                 f"-Dkafka.logs.dir={self.data_dir}", "-cp", f"{jars}/*"]
         formatted = (self.data_dir / "log" / "meta.properties").exists()
-        return (None if formatted else [*java, "kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(props)],
+        # a secured cluster's admin exists from the start: the brokers authenticate to each other as it
+        scram = ["--add-scram", f"{MECHANISM}=[name={ADMIN},password={security.admin_password}]"] if security else []
+        return (None if formatted else [*java, "kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(props),
+                                        *scram],
                 [*java, "kafka.Kafka", str(props)])
 
     def _log4j(self) -> Path:
@@ -236,6 +295,27 @@ class EmbeddedBroker:
         self.data_dir = Path(cfg.data_dir or self._tmp.name)
         self.cluster_id = cfg.cluster_id or self._saved_cluster_id()
         self.nodes = [self._node(i) for i in ([cfg.node] if cfg.node else range(1, cfg.brokers + 1))]
+        self.access_dir = Path(cfg.access_dir or self.data_dir / "access")
+        self.security = self._security() if cfg.secure else None
+        if self.security and self.kind != "kafka":
+            raise ConfigError("--secure needs Java: the tansu fallback has no TLS, SASL or ACLs")
+
+    def _security(self) -> Security:
+        """The TLS files (yours, or a throwaway CA's) and the admin's password, kept with the data."""
+        tls = self.cfg.tls_dir or make_tls(self.data_dir / "tls", self.cfg.tls_hosts.split(","))
+        missing = [f for f in (CA_FILE, SERVER_FILE) if not (Path(tls) / f).exists()]
+        if missing:
+            raise ConfigError(f"--tls-dir {tls}: {' and '.join(missing)} missing")
+        return Security(Path(tls), password(self.access_dir, ADMIN))
+
+    def admin(self, kafka: KafkaConfig | None = None) -> KafkaConfig:
+        """A KafkaConfig of this cluster, as its admin where it is secured."""
+        kafka = kafka or KafkaConfig()
+        kafka.bootstrap = self.bootstrap
+        if self.security:
+            kafka.settings = {**kafka.settings, **client_settings(ADMIN, self.security.ca)}
+            kafka.password_file = str(password_file(self.access_dir, ADMIN))
+        return kafka
 
     def _node(self, i: int) -> KafkaNode:
         port = self.cfg.port + i - 1 if self.cfg.port else free_port()
@@ -268,7 +348,7 @@ class EmbeddedBroker:
     def _launch(self, nodes: list[KafkaNode]) -> None:
         if self.kind == "tansu":
             return nodes[0].launch(nodes[0].tansu_command())
-        commands = [n.kafka_commands(self.cfg, self.voters, self.cluster_id) for n in nodes]
+        commands = [n.kafka_commands(self.cfg, self.voters, self.cluster_id, self.security) for n in nodes]
         # each format is a JVM start of a few seconds: side by side
         formats = [subprocess.Popen(fmt, stdout=subprocess.DEVNULL) for fmt, _ in commands if fmt]
         if any(f.wait() for f in formats):
@@ -279,11 +359,21 @@ class EmbeddedBroker:
     def start(self, timeout: float = 120.0) -> EmbeddedBroker:
         self._launch(self.nodes)
         try:  # a node alone (--node) is up once it answers; the others may not have started yet
-            wait_for_broker(self.bootstrap, timeout, brokers=len(self.nodes))
+            wait_for_broker(self.bootstrap, timeout, self._settings(), brokers=len(self.nodes))
         except TimeoutError:
             self.stop()
             raise RuntimeError(f"{self.kind} broker did not start; see {self.data_dir}/**/stdout.log") from None
+        if self.security and not self.cfg.node:  # a node alone: `sao access` once every node is up
+            apply_access(self.admin(), self.access_dir, self.security.ca)
         return self
+
+    def service_env(self, principal: str) -> dict[str, str]:
+        """The SAO_KAFKA_* variables a service of kind `principal` (`sao.access.ACCESS`) runs with
+        here: its credentials on a secured cluster, nothing otherwise."""
+        return client_env(principal, self.access_dir, self.security.ca) if self.security else {}
+
+    def _settings(self) -> dict[str, str]:
+        return self.security.admin_settings() if self.security else {}
 
     def kill(self, i: int) -> None:
         self.nodes[i].kill()
@@ -291,7 +381,7 @@ class EmbeddedBroker:
     def restart(self, i: int, timeout: float = 120.0) -> None:
         """Start node i again on its data and wait until it answers on its own port."""
         self._launch([self.nodes[i]])
-        wait_for_broker(self.nodes[i].bootstrap, timeout)
+        wait_for_broker(self.nodes[i].bootstrap, timeout, self._settings())
 
     def alive(self) -> bool:
         return all(n.alive() for n in self.nodes)
@@ -326,14 +416,15 @@ def embedded_unless_named() -> KafkaConfig:
 @contextmanager
 def cluster(kafka: KafkaConfig, broker: BrokerConfig):
     """The cluster `kafka.bootstrap` names (from `--kafka.bootstrap` or `SAO_KAFKA_BOOTSTRAP`), or,
-    when it is empty, an embedded broker for the duration; `kafka.bootstrap` then points at it."""
+    when it is empty, an embedded broker for the duration, yielded: `kafka` then points at it (as
+    its admin when it is secured). Yields None for a named cluster."""
     if kafka.bootstrap:
-        yield kafka
+        yield None
         return
     with EmbeddedBroker(broker) as b:
-        print(f"{b.kind} broker up at {b.bootstrap}", flush=True)
-        kafka.bootstrap = b.bootstrap
-        yield kafka
+        print(f"{b.kind} broker up at {b.bootstrap}" + (" (TLS, SASL/SCRAM, ACLs)" if b.security else ""), flush=True)
+        b.admin(kafka)
+        yield b
 
 
 def run(cfg: BrokerConfig) -> None:
@@ -342,6 +433,9 @@ def run(cfg: BrokerConfig) -> None:
     with EmbeddedBroker(cfg) as broker:
         print(f"{broker.kind} broker ready: SAO_KAFKA_BOOTSTRAP={broker.bootstrap} "
               f"(data in {broker.data_dir})", flush=True)
+        if broker.security:
+            print(f"secured: TLS + SASL/SCRAM-SHA-512 + ACLs; each service's variables in {broker.access_dir}/<name>.env "
+                  f"(the admin's: {broker.access_dir}/admin.password)", flush=True)
         while not stop.wait(0.5) and broker.alive():
             pass
         if not stop.is_set():  # a node died by itself (a Ctrl-C reaches the nodes too: not that)

@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "broker": ("sao.broker", "BrokerConfig", "run the embedded Apache Kafka broker (KRaft) on loopback"),
     "up": ("sao.up", "UpConfig", "the whole pipeline on this machine with a live dashboard and a report (make run)"),
     "report": ("sao.report", "ReportConfig", "redo report.png and summary.txt of a `sao up` run directory"),
+    "access": ("sao.access", "AccessConfig", "secured cluster: every service's SCRAM credentials and least-privilege ACLs"),
     "topics": ("sao.topics", "TopicsConfig", "create every sao topic with its partitions and configs, then exit"),
     "audit": ("sao.audit", "AuditConfig", "account for every prompt and trajectory of a run; exit 1 on any unexplained"),
     "stack": ("sao.stack", "StackConfig", "the whole pipeline on this machine, plain: broker, learner, producers, feeder"),

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Literal
 
 from sao import report
-from sao.broker import BrokerConfig, cluster, embedded_unless_named, free_port
+from sao.broker import BrokerConfig, EmbeddedBroker, cluster, embedded_unless_named, free_port
 from sao.dashboard import Dashboard
 from sao.supervisor import Supervisor
 from schemas.config import ConfigError
@@ -215,7 +215,19 @@ def start_afresh(run_dir: Path) -> None:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
-def run_up(cfg: UpConfig) -> None:
+PRINCIPALS = {"learner": "learner", "producer": "producer", "eval": "evaluator", "feeder": "feeder",
+              "judge": "judge", "reward-join": "joiner"}
+"""The principal (sao.access.ACCESS) each child connects as on a secured broker, by child name
+(producer-0, producer-1, ... are producers)."""
+
+
+def principal(child: str) -> str:
+    return PRINCIPALS[child.split("-")[0] if child.startswith("producer-") else child]
+
+
+def run_up(cfg: UpConfig, broker: EmbeddedBroker | None = None) -> None:
+    """The run on `cfg.kafka`; on a secured embedded `broker` each child connects as its own
+    principal, with only the rights its job needs."""
     ensure_topics(cfg.kafka)
     if not (cfg.run_dir / "keys" / PRIVATE_FILE).exists():  # a resumed run keeps its key
         create_keys(cfg.run_dir / "keys")
@@ -224,9 +236,10 @@ def run_up(cfg: UpConfig) -> None:
     env = {"OMP_NUM_THREADS": "1", **os.environ, "SAO_LOG_LEVEL": os.environ.get("SAO_LOG_LEVEL", "INFO"),
            "PYTHONUNBUFFERED": "1"}
     # a resumed run's feeder draws new tasks: its generator seeded past what was published
-    sup = Supervisor(commands(cfg, ports, feed_seed=prompts_published(cfg.kafka)), cfg.run_dir / "logs", env,
-                     cfg.max_restarts,
-                     {"learner": {"OMP_NUM_THREADS": str(cfg.learner_threads)}})
+    cmds = commands(cfg, ports, feed_seed=prompts_published(cfg.kafka))
+    child_env = {name: broker.service_env(principal(name)) if broker else {} for name in cmds}
+    child_env["learner"]["OMP_NUM_THREADS"] = str(cfg.learner_threads)
+    sup = Supervisor(cmds, cfg.run_dir / "logs", env, cfg.max_restarts, child_env)
     dash = Dashboard(sup, cfg.run_dir, {n: p for n, p in ports.items() if n.startswith("producer-")}, cfg.kafka,
                      cfg.steps)
     stop = stop_on_signals()
@@ -280,6 +293,8 @@ def resumed(cfg: UpConfig) -> UpConfig:
         out.kafka.bootstrap, out.kafka.topic_prefix = saved["kafka"]["bootstrap"], saved["kafka"]["topic_prefix"]
     if not out.kafka.bootstrap and not (run_dir / "kafka").is_dir():
         raise ConfigError(f"--resume {run_dir}: its broker's data (kafka/) is gone; the run cannot continue")
+    if not out.kafka.bootstrap and (run_dir / "kafka" / "access").is_dir():
+        out.broker.secure = True  # a secured run's broker comes back secured, its credentials kept
     return out
 
 
@@ -313,5 +328,5 @@ def run(cfg: UpConfig) -> None:
         cfg.broker.data_dir = cfg.run_dir / "kafka"
     if cfg.resume is None:
         save_settings(cfg)
-    with cluster(cfg.kafka, cfg.broker):
-        run_up(cfg)
+    with cluster(cfg.kafka, cfg.broker) as broker:
+        run_up(cfg, broker)

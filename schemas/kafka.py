@@ -13,23 +13,42 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from . import topics as T
+from .config import ConfigError
 from .messages import DEFAULT_LIMITS, DeadLetter, Limits, SchemaError, decode
 from .process import threadsafe
 
 log = logging.getLogger(__name__)
 
-_OWN_KEYS = {"SAO_KAFKA_BOOTSTRAP", "SAO_KAFKA_TOPIC_PREFIX"}
+_OWN_KEYS = {"SAO_KAFKA_BOOTSTRAP", "SAO_KAFKA_TOPIC_PREFIX", "SAO_KAFKA_PASSWORD_FILE"}
+
+
+def is_secret(setting: str) -> bool:
+    """A librdkafka setting whose value is a secret (`sasl.password`, `ssl.key.password`, ...)."""
+    return "password" in setting or "secret" in setting or setting == "ssl.key.pem"
+
+
+def _from_env(environ: Mapping[str, str]) -> dict[str, str]:
+    return {k[len("SAO_KAFKA_"):].lower().replace("_", "."): v
+            for k, v in environ.items() if k.startswith("SAO_KAFKA_") and k not in _OWN_KEYS}
 
 
 def passthrough_settings(environ: Mapping[str, str]) -> dict[str, str]:
-    """librdkafka settings from `SAO_KAFKA_*`: `SAO_KAFKA_SASL_MECHANISM=PLAIN` → `sasl.mechanism`."""
-    return {k[len("SAO_KAFKA_"):].lower().replace("_", "."): v
-            for k, v in environ.items() if k.startswith("SAO_KAFKA_") and k not in _OWN_KEYS}
+    """librdkafka settings from `SAO_KAFKA_*`: `SAO_KAFKA_SASL_MECHANISM=PLAIN` → `sasl.mechanism`;
+    secrets aside (`secret_settings`)."""
+    return {k: v for k, v in _from_env(environ).items() if not is_secret(k)}
+
+
+def secret_settings(environ: Mapping[str, str]) -> dict[str, str]:
+    """The secrets among the `SAO_KAFKA_*` settings (`SAO_KAFKA_SASL_PASSWORD`, ...). They are
+    read when a client is made and are never part of a config object, so no flag's default in
+    `--help`, no log line or saved setting shows them."""
+    return {k: v for k, v in _from_env(environ).items() if is_secret(k)}
 
 
 @dataclass(kw_only=True)
@@ -40,13 +59,47 @@ class KafkaConfig:
     topic_prefix: str = "sao"
     """Prefix of every topic name (`sao.prompts`, ...)."""
     settings: dict[str, str] = field(default_factory=lambda: passthrough_settings(os.environ))
-    """Extra librdkafka settings (SASL/SSL, ...); defaults to every other `SAO_KAFKA_*` variable."""
+    """Extra librdkafka settings (`security.protocol`, `sasl.mechanism`, `sasl.username`,
+    `ssl.ca.location`, ...); defaults to every other `SAO_KAFKA_*` variable. Secrets are not flags:
+    set `SAO_KAFKA_SASL_PASSWORD` or `--kafka.password-file`."""
+    password_file: str = ""
+    """File holding the SASL password (`SAO_KAFKA_PASSWORD_FILE`), read when a client is made."""
 
     def topic(self, t: T.Topic) -> str:
         return t.name(self.topic_prefix)
 
     def client(self, **overrides) -> dict:
-        return {"bootstrap.servers": self.bootstrap, **self.settings, **overrides}
+        """librdkafka settings of a client of this cluster, secrets included (never log them)."""
+        return {"bootstrap.servers": self.bootstrap, **self.settings, **secret_settings(os.environ),
+                **self._password(), **overrides}
+
+    def _password(self) -> dict[str, str]:
+        if not self.password_file:
+            return {}
+        try:
+            return {"sasl.password": Path(self.password_file).read_text().strip()}
+        except OSError as e:
+            raise ConfigError(f"--kafka.password-file {self.password_file}: {e.strerror}") from None
+
+    def faust_credentials(self):
+        """The same security settings for faust's aiokafka clients (the reward joiner), or None on
+        a plaintext cluster."""
+        from faust import SASLCredentials, SSLCredentials
+
+        s = self.client()
+        protocol = s.get("security.protocol", "PLAINTEXT").upper()
+        context = None
+        if protocol in ("SSL", "SASL_SSL"):
+            import ssl
+            context = ssl.create_default_context(cafile=s.get("ssl.ca.location"))
+            if "ssl.certificate.location" in s:
+                context.load_cert_chain(s["ssl.certificate.location"], s.get("ssl.key.location"),
+                                        s.get("ssl.key.password"))
+        if protocol.startswith("SASL"):
+            return SASLCredentials(username=s.get("sasl.username"), password=s.get("sasl.password"),
+                                   mechanism=s.get("sasl.mechanism", s.get("sasl.mechanisms", "PLAIN")).upper(),
+                                   ssl_context=context)
+        return SSLCredentials(context) if context else None
 
 
 def make_producer(cfg: KafkaConfig, **overrides) -> Producer:

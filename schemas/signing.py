@@ -15,13 +15,13 @@ the learner switches to the new private key, then drop the old one.
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import msgpack
 
 from schemas.config import ConfigError
+from schemas.files import atomic_file
 from schemas.messages import Weights
 
 PRIVATE_FILE, PUBLIC_FILE = "learner.key", "learner.pub"
@@ -48,10 +48,8 @@ def create_keys(folder: Path) -> tuple[Path, Path]:
     private, public = folder / PRIVATE_FILE, folder / PUBLIC_FILE
     pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                             serialization.NoEncryption())
-    fd = os.open(private, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(pem)
-    public.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
+    atomic_file(private, pem, mode=0o600)
+    atomic_file(public, key.public_key().public_bytes(serialization.Encoding.PEM,
                                                      serialization.PublicFormat.SubjectPublicKeyInfo))
     return private, public
 

@@ -32,7 +32,6 @@ import dataclasses
 import hashlib
 import logging
 import math
-import os
 import threading
 import time
 import uuid
@@ -48,6 +47,7 @@ from producers.envs.chat import Chat
 from producers.envs.tools import render_chat
 from producers.generate.base import Generation, SamplingParams
 from schemas import topics as T
+from schemas.files import atomic_file
 from schemas.kafka import KafkaConfig, produce_and_wait
 from schemas.messages import Trajectory
 
@@ -242,9 +242,7 @@ class Sessions:
         if self.journal is None:
             return
         path = self.journal / f"{s.id}.msgpack"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(msgpack.packb(s.record(), use_bin_type=True))
-        os.replace(tmp, path)
+        atomic_file(path, msgpack.packb(s.record(), use_bin_type=True), durable=False)
 
     def _take_up(self) -> dict[str, Session]:
         """The sessions journaled by an earlier run of this proxy; a file that does not read as one
