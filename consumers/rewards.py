@@ -17,7 +17,7 @@ from confluent_kafka import Producer
 
 from schemas import topics as T
 from schemas.config import ConfigError
-from schemas.kafka import KafkaConfig, make_producer, produce, produce_and_wait
+from schemas.kafka import FatalKafkaError, KafkaConfig, make_producer, produce, produce_and_wait, refused
 from schemas.messages import Reward
 
 log = logging.getLogger(__name__)
@@ -30,6 +30,7 @@ class RewardPublisher:
         self.topic = kafka.topic(T.REWARDS)
         self.producer = producer or make_producer(kafka)
         self.failed: list[str] = []
+        self.refusal = None  # the broker's refusal of a write (schemas.kafka.refused), if any
 
     def send(self, reward: Reward, on_delivery=None) -> None:
         produce(self.producer, self.topic, reward.encode(), key=reward.key, on_delivery=on_delivery or self._check)
@@ -37,6 +38,8 @@ class RewardPublisher:
     def flush(self, timeout: float = 30.0) -> None:
         if self.producer.flush(timeout):
             raise TimeoutError(f"rewards not acknowledged by the broker within {timeout}s")
+        if self.refusal is not None:
+            raise FatalKafkaError(f"Kafka refused the write to {self.topic}: {self.refusal.str()}")
         if self.failed:
             raise RuntimeError(f"rewards not delivered: {self.failed}")
 
@@ -59,6 +62,7 @@ class RewardPublisher:
     def _check(self, err, msg) -> None:
         if err is not None:
             self.failed.append(f"{msg.key()!r}: {err}")
+            self.refusal = err if refused(err) else self.refusal
 
 
 def publish(trajectory_id: str, reward: float, *, source: str = "python", criterion: str = "",

@@ -125,6 +125,22 @@ def allows(principal: str, resource: str, name: str, op: str, prefix: str = "sao
     return principal == ADMIN or any(g.on(prefix).allows(resource, name, op) for g in ACCESS[principal].grants)
 
 
+def markdown(prefix: str = "sao") -> str:
+    """`ACCESS` as the table docs/security.md shows (a test keeps the two equal)."""
+    def names(p: Principal, resource: str, *ops: str) -> str:
+        found = [(g.name + "*" if g.prefixed else g.name) for g in (g.on(prefix) for g in p.grants)
+                 if g.resource == resource and any(o in g.ops or "ALL" in g.ops for o in ops)]
+        return ", ".join(f"`{n}`" for n in found) or "-"
+
+    rows = ["| principal | services | reads | writes | groups (read; *describe*) |", "| --- | --- | --- | --- | --- |"]
+    for name, p in ACCESS.items():
+        groups_ = names(p, "group", "READ")
+        described = [n for n in names(p, "group", "DESCRIBE").split(", ") if n not in groups_.split(", ") and n != "-"]
+        rows.append(f"| `{name}` | {p.services} | {names(p, 'topic', 'READ')} | {names(p, 'topic', 'WRITE')} | "
+                    f"{groups_}{''.join(f'; *{n}*' for n in described)} |")
+    return "\n".join(rows) + "\n"
+
+
 def acl_bindings(prefix: str) -> list:
     """`ACCESS` as Kafka ACL bindings for the run whose topics start with `prefix`."""
     from confluent_kafka.admin import AclBinding, AclOperation, AclPermissionType, ResourcePatternType, ResourceType

@@ -12,6 +12,7 @@ import os
 import sys
 
 from schemas.config import one_line_errors, parse
+from schemas.kafka import FatalKafkaError
 
 # subcommand -> (module, config class, one-line help)
 COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -59,4 +60,8 @@ def main(argv: list[str] | None = None) -> None:
         cfg = parse(getattr(module, config_name), argv[1:], description=module.__doc__ or help_)
         logging.basicConfig(level=os.environ.get("SAO_LOG_LEVEL", "INFO"),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        module.run(cfg)
+        try:
+            module.run(cfg)
+        except FatalKafkaError as e:  # a refusal (ACLs, credentials) or a vanished topic: no retry fixes it
+            print(f"sao {argv[0]}: {type(e).__name__}: {e}", file=sys.stderr)
+            raise SystemExit(1) from None

@@ -70,8 +70,8 @@ class KafkaConfig:
 
     def client(self, **overrides) -> dict:
         """librdkafka settings of a client of this cluster, secrets included (never log them)."""
-        return {"bootstrap.servers": self.bootstrap, **self.settings, **secret_settings(os.environ),
-                **self._password(), **overrides}
+        return {"bootstrap.servers": self.bootstrap, "error_cb": raise_refusals, **self.settings,
+                **secret_settings(os.environ), **self._password(), **overrides}
 
     def _password(self) -> dict[str, str]:
         if not self.password_file:
@@ -138,14 +138,24 @@ def make_consumer(cfg: KafkaConfig, group_id: str, **overrides) -> Consumer:
 def replication_now(cfg: KafkaConfig, timeout: float = 30.0) -> tuple[int, int]:
     """(replication factor, min.insync.replicas) of a topic created now: `topics.replication` for
     the brokers the cluster has."""
-    return T.replication(len(AdminClient(cfg.client()).list_topics(timeout=timeout).brokers))
+    return T.replication(len(metadata(AdminClient(cfg.client()), timeout).brokers))
+
+
+def metadata(admin: AdminClient, timeout: float):
+    """The cluster's metadata; a failed login (wrong password, untrusted certificate) raises
+    FatalKafkaError, saying so, rather than a bare timeout."""
+    try:
+        return admin.list_topics(timeout=timeout)
+    except KafkaException:
+        admin.poll(0)  # a refused login is queued as a client error: raise_refusals raises it here
+        raise
 
 
 def ensure_topics(cfg: KafkaConfig, wanted: Iterable[T.Topic] = T.ALL, timeout: float = 30.0) -> list[str]:
     """Create the topics that do not exist yet, replicated as `replication_now` says; returns the
     names created (empty when all exist)."""
     admin = AdminClient(cfg.client())
-    existing = set(admin.list_topics(timeout=timeout).topics)
+    existing = set(metadata(admin, timeout).topics)
     factor, min_isr = replication_now(cfg, timeout)
     new = [NewTopic(cfg.topic(t), num_partitions=t.partitions, replication_factor=factor,
                     config={**t.config, "min.insync.replicas": str(min_isr)})
@@ -195,11 +205,29 @@ class FatalKafkaError(RuntimeError):
     vanished): the service stops with this message instead of logging and spinning."""
 
 
-# Errors a consumer loop cannot outwait: credentials, permissions, a topic deleted under it.
-_FATAL_CODES = {KafkaError.TOPIC_AUTHORIZATION_FAILED, KafkaError.GROUP_AUTHORIZATION_FAILED,
-                KafkaError.CLUSTER_AUTHORIZATION_FAILED, KafkaError.SASL_AUTHENTICATION_FAILED,
-                KafkaError._AUTHENTICATION, KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC,
-                KafkaError._SSL}
+# Refusals no retry will fix: a right the client lacks (ACLs), credentials or a certificate that fail.
+_REFUSED = {KafkaError.TOPIC_AUTHORIZATION_FAILED, KafkaError.GROUP_AUTHORIZATION_FAILED,
+            KafkaError.CLUSTER_AUTHORIZATION_FAILED, KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED,
+            KafkaError.SASL_AUTHENTICATION_FAILED, KafkaError._AUTHENTICATION, KafkaError._SSL}
+_LOGIN_FAILED = {KafkaError.SASL_AUTHENTICATION_FAILED, KafkaError._AUTHENTICATION, KafkaError._SSL}
+# Errors a consumer loop cannot outwait: refusals, and a topic deleted under it.
+_FATAL_CODES = _REFUSED | {KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC}
+
+
+def raise_refusals(err: KafkaError) -> None:
+    """Every client's `error_cb`. librdkafka reports a failed login or TLS handshake for the client
+    as a whole, never on a message, and would retry it forever: raised from the `poll` that serves
+    it, the service stops saying why instead of waiting in silence. Other client-wide errors (a
+    broker down) are transient and librdkafka logs them itself."""
+    if err.fatal() or err.code() in _LOGIN_FAILED:
+        raise FatalKafkaError(f"Kafka: {err.str()}")
+    log.debug("kafka: %s", err)
+
+
+def refused(err: KafkaError) -> bool:
+    """A delivery error that sending again cannot fix: the principal may not write the topic, its
+    credentials failed, or the client hit a fatal error."""
+    return err.fatal() or err.code() in _REFUSED
 
 
 def consumer_error(msg: Message) -> bool:
@@ -284,7 +312,7 @@ def produce_and_wait(producer: Producer, topic: str, value: bytes, key: bytes | 
                      timeout: float = 30.0, stop: threading.Event | None = None) -> KafkaError | None:
     """Produce one message and serve the producer's callbacks until the broker acknowledges it: None
     once the broker has it, the delivery error if librdkafka gave up on it (the caller decides
-    whether to send it again). TimeoutError when neither came within `timeout` seconds or `stop`
+    whether to send it again); FatalKafkaError if the broker refused it (`refused`). TimeoutError when neither came within `timeout` seconds or `stop`
     was set first. For callers that wait on a thread of their own; an asyncio service awaits
     `acknowledged` instead."""
     outcome: list[KafkaError | None] = []
@@ -295,6 +323,8 @@ def produce_and_wait(producer: Producer, topic: str, value: bytes, key: bytes | 
             raise TimeoutError(f"no acknowledgement from the broker for {topic} within {timeout:g} s"
                                if time.monotonic() > deadline else f"stopped before {topic} acknowledged")
         producer.poll(0.1)
+    if outcome[0] is not None and refused(outcome[0]):
+        raise FatalKafkaError(f"Kafka refused the write to {topic}: {outcome[0].str()}")
     return outcome[0]
 
 
