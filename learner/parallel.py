@@ -82,6 +82,16 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
     raise ValueError(f"cannot find the decoder blocks of {type(model).__name__}")
 
 
+def recompute_in_backward(block: nn.Module) -> None:
+    """Activation checkpointing of one block through the public `torch.utils.checkpoint`
+    (non-reentrant, the form FSDP2 supports): its forward keeps only its inputs, and backward
+    runs it again."""
+    from torch.utils.checkpoint import checkpoint
+
+    forward = block.forward
+    block.forward = lambda *args, **kwargs: checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
 def parallelize(model: nn.Module, cfg: ParallelConfig, bf16: bool) -> nn.Module:
     """Shard `model` with FSDP2, in this order (torchtitan's):
     1. activation checkpointing per block (it must wrap the block before FSDP hooks onto it);
@@ -96,9 +106,8 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, bf16: bool) -> nn.Module:
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if bf16 else MixedPrecisionPolicy())
     if cfg.activation_checkpointing:
-        from torch.distributed._composable import checkpoint
         for block in decoder_blocks(model):
-            checkpoint(block)
+            recompute_in_backward(block)
     units = [fully_shard(block, mp_policy=mp) for block in decoder_blocks(model)]
     units.append(fully_shard(model, mp_policy=mp, reshard_after_forward=False))
     for unit in units:

@@ -20,7 +20,6 @@ import msgpack
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.utils._pytree import tree_map_only
 
 from schemas.files import atomic_file, fsync_dir
 from schemas.weights import Payload
@@ -89,6 +88,17 @@ def split_tensors(state: dict) -> tuple[dict, dict]:
     return tensors, {k: v for k, v in state.items() if k not in tensors}
 
 
+def host_copy(x):
+    """`x` (nested dicts, lists and tuples) with every tensor copied to host memory."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().to("cpu", copy=True)
+    if isinstance(x, dict):
+        return {k: host_copy(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(host_copy(v) for v in x)
+    return x
+
+
 class Checkpointer:
     """`step{N:08d}/` folders: every rank's shards of the models and optimizers, written by
     `torch.distributed.checkpoint` (nothing is gathered; a restart may use another number of
@@ -125,7 +135,7 @@ class Checkpointer:
         if self.rank == 0:  # a crashed attempt at this step (another world size, say) left its shards here
             shutil.rmtree(tmp, ignore_errors=True)
         dist.barrier(group=self.group)  # no rank writes before the leftovers are gone
-        staged = tree_map_only(torch.Tensor, lambda t: t.detach().to("cpu", copy=True), tensors)
+        staged = host_copy(tensors)
         self._writer = threading.Thread(target=self._write, args=(staged, step, tmp, data, then),
                                         name="checkpoint-writer")
         self._writer.start()

@@ -180,3 +180,20 @@ def test_one_fsdp2_rank_trains_exactly_like_the_plain_modules():
     assert_same(policy, plain.state_dict(), 0)
     assert_same(critic, plain_critic.state_dict(), 0)  # initialised from the policy, zero head
     assert not torch.equal(plain.lm_head.weight, tiny_llama(seed=0).lm_head.weight)
+
+
+def test_activation_checkpointing_recomputes_a_block_in_backward_with_the_same_gradients():
+    from learner.parallel import recompute_in_backward
+
+    torch.manual_seed(0)
+    block, calls = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()), []
+    block[0].register_forward_hook(lambda *_: calls.append(1))
+    x = torch.randn(3, 4)
+    block(x).sum().backward()
+    plain = [p.grad.clone() for p in block.parameters()]
+    block.zero_grad()
+    recompute_in_backward(block)
+    calls.clear()
+    block(x).sum().backward()
+    assert len(calls) == 2  # once forward, once again in backward
+    assert all(torch.equal(a, p.grad) for a, p in zip(plain, block.parameters()))
