@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from producers.envs.agent import AgentLimits, ToolEpisode, python, python_tools
-from producers.envs.chat import Chat
+from producers.envs.chat import ChatEnv
 from producers.envs.math import extract_answer
 from producers.envs.tools import CLOSE, OPEN, render_chat, tool_response, tool_schema
 from producers.sandbox import Sandbox
@@ -100,9 +99,7 @@ def demonstration(task: dict) -> list[tuple[str, str | None]]:
 
 
 @dataclass(kw_only=True)
-class CalcAgentEnv:
-    tokenizer: Any = None
-    """Tokenizer of the policy; only `episode` needs it."""
+class CalcAgentEnv(ChatEnv):
     sandbox: Sandbox | None = None
     """Where the python tool's sessions run; only `episode` needs it."""
     max_turns: int = 8
@@ -112,11 +109,6 @@ class CalcAgentEnv:
     deadline_s: float = 300.0
     """Wall-clock seconds an episode may take."""
     name: str = "calc-agent"
-    _chat: Chat | None = field(default=None, init=False, repr=False)
-
-    def __post_init__(self):
-        self._chat = Chat(self.tokenizer) if self.tokenizer is not None else None
-
     def sample_task(self, rng: random.Random) -> dict:
         name, _ = rng.choice(NAMES)
         start = rng.randint(100, 9999)
@@ -130,14 +122,13 @@ class CalcAgentEnv:
         return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question(task)}]
 
     def prompt_ids(self, task: dict) -> list[int]:
-        return self._chat.encode(render_chat(self.tokenizer, self.messages(task), [tool_schema(python)]))
+        return self.episode_chat().encode(render_chat(self.tokenizer, self.messages(task), [tool_schema(python)]))
 
     def episode(self, task: dict) -> ToolEpisode:
         check_task(task)
-        if self._chat is None or self.sandbox is None:
-            raise ValueError("CalcAgentEnv needs a tokenizer and a sandbox to run episodes")
+        chat = self.episode_chat(sandbox=self.sandbox)
         answer = task["answer"]
-        return ToolEpisode(prompt_ids=self.prompt_ids(task), chat=self._chat, tools=python_tools(self.sandbox),
+        return ToolEpisode(prompt_ids=self.prompt_ids(task), chat=chat, tools=python_tools(self.sandbox),
                            score=lambda text: 1.0 if extract_answer(text) == answer else 0.0,
                            limits=AgentLimits(max_turns=self.max_turns, max_invalid_calls=self.max_invalid_calls,
                                               deadline_s=self.deadline_s))

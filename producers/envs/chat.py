@@ -12,6 +12,8 @@ re-tokenizing what the model sampled.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 _ACT, _OBS = "\x00SAO-ACTION\x00", "\x00SAO-OBSERVATION\x00"
 
@@ -62,3 +64,26 @@ class Chat:
         if len(end) == 1:
             ids.add(end[0])
         return tuple(sorted(i for i in ids if i is not None))
+
+
+@dataclass(kw_only=True)
+class ChatEnv:
+    """The part every environment that talks to the policy through its chat template shares: the
+    policy's tokenizer, and the `Chat` built from it once. The feeder and the evaluator's task
+    split make environments without one (they only sample tasks); episodes need it."""
+
+    tokenizer: Any = None
+    """Tokenizer of the policy; only `episode` needs it (the feeder samples tasks without one)."""
+    _chat: Chat | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self):
+        self._chat = Chat(self.tokenizer) if self.tokenizer is not None else None
+
+    def episode_chat(self, **needed: Any) -> Chat:
+        """The chat, for an episode; ValueError naming whatever it lacks (the tokenizer, or one of
+        `needed`, such as a sandbox)."""
+        missing = (["a tokenizer"] if self._chat is None else []) + [f"a {k}" for k, v in needed.items() if v is None]
+        if missing:
+            raise ValueError(f"{getattr(self, 'name', type(self).__name__)} needs {' and '.join(missing)} "
+                             "to run episodes")
+        return self._chat

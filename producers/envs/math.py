@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import random
 import re
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from producers.envs.base import Step
-from producers.envs.chat import Chat
+from producers.envs.chat import Chat, ChatEnv
 from schemas.messages import SchemaError
 
 INSTRUCTION = "Solve the problem. End your reply with 'Answer: <integer>'."
@@ -90,23 +89,15 @@ class MathEpisode:
 
 
 @dataclass(kw_only=True)
-class MathEnv:
-    tokenizer: Any = None
-    """Tokenizer of the policy; only `episode` needs it (the feeder samples tasks without one)."""
+class MathEnv(ChatEnv):
     max_operand: int = 50
     """Largest operand in generated problems."""
     name: str = "math"
-    _chat: Chat | None = field(default=None, init=False, repr=False)
-
-    def __post_init__(self):
-        self._chat = Chat(self.tokenizer) if self.tokenizer is not None else None
-
     def sample_task(self, rng: random.Random) -> dict:
         return sample_problem(rng, self.max_operand)
 
     def episode(self, task: dict) -> MathEpisode:
         question, answer = check_task(task)
-        if self._chat is None:
-            raise ValueError("MathEnv needs a tokenizer to run episodes")
-        ids = self._chat.prompt_ids([{"role": "user", "content": f"{question}\n{INSTRUCTION}"}])
-        return MathEpisode(ids, answer, self._chat)
+        chat = self.episode_chat()
+        ids = chat.prompt_ids([{"role": "user", "content": f"{question}\n{INSTRUCTION}"}])
+        return MathEpisode(ids, answer, chat)

@@ -8,11 +8,10 @@ the reward joiner forwards them to the learner. Tasks are `{"instruction": str}`
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from producers.envs.base import Step
-from producers.envs.chat import Chat
+from producers.envs.chat import ChatEnv
 from schemas.messages import SchemaError
 
 _FORMS = ("a two-line poem", "a haiku", "a one-sentence story", "a short product slogan", "a limerick")
@@ -30,14 +29,8 @@ class WritingEpisode:
 
 
 @dataclass(kw_only=True)
-class WritingEnv:
-    tokenizer: Any = None
-    """Tokenizer of the policy; only `episode` needs it."""
+class WritingEnv(ChatEnv):
     name: str = "writing"
-    _chat: Chat | None = field(default=None, init=False, repr=False)
-
-    def __post_init__(self):
-        self._chat = Chat(self.tokenizer) if self.tokenizer is not None else None
 
     def sample_task(self, rng: random.Random) -> dict:
         return {"instruction": f"Write {rng.choice(_FORMS)} about {rng.choice(_TOPICS)}."}
@@ -46,6 +39,4 @@ class WritingEnv:
         instruction = task.get("instruction")
         if not isinstance(instruction, str) or not instruction:
             raise SchemaError("task.instruction", "expected a non-empty string")
-        if self._chat is None:
-            raise ValueError("WritingEnv needs a tokenizer to run episodes")
-        return WritingEpisode(self._chat.prompt_ids([{"role": "user", "content": instruction}]))
+        return WritingEpisode(self.episode_chat().prompt_ids([{"role": "user", "content": instruction}]))

@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import random
 import re
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from producers.envs.base import Step
-from producers.envs.chat import Chat
+from producers.envs.chat import Chat, ChatEnv
 from producers.envs.math import check_task, sample_problem, score
 from producers.sandbox import Sandbox, format_result
 
@@ -57,9 +56,7 @@ class PythonToolEpisode:
 
 
 @dataclass(kw_only=True)
-class PythonToolEnv:
-    tokenizer: Any = None
-    """Tokenizer of the policy; only `episode` needs it."""
+class PythonToolEnv(ChatEnv):
     sandbox: Sandbox | None = None
     """Where the model's code runs; only `episode` needs it."""
     max_turns: int = 4
@@ -67,18 +64,11 @@ class PythonToolEnv:
     max_operand: int = 100_000
     """Largest operand in generated problems."""
     name: str = "python-tool"
-    _chat: Chat | None = field(default=None, init=False, repr=False)
-
-    def __post_init__(self):
-        self._chat = Chat(self.tokenizer) if self.tokenizer is not None else None
-
     def sample_task(self, rng: random.Random) -> dict:
         return sample_problem(rng, self.max_operand)
 
     def episode(self, task: dict) -> PythonToolEpisode:
         question, answer = check_task(task)
-        if self._chat is None or self.sandbox is None:
-            raise ValueError("PythonToolEnv needs a tokenizer and a sandbox to run episodes")
-        ids = self._chat.prompt_ids([{"role": "system", "content": SYSTEM},
-                                     {"role": "user", "content": question}])
-        return PythonToolEpisode(ids, answer, self._chat, self.sandbox, self.max_turns)
+        chat = self.episode_chat(sandbox=self.sandbox)
+        ids = chat.prompt_ids([{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}])
+        return PythonToolEpisode(ids, answer, chat, self.sandbox, self.max_turns)
