@@ -39,12 +39,8 @@ class Batch:
     position_ids: Tensor  # (B, T) int64, 0.. per trajectory
     action_mask: Tensor  # (B, T) bool, tokens the policy sampled
     logp_rollout: Tensor  # (B, T) float32, 0 off actions
-    versions: Tensor  # (B, T) int32, -1 off actions
     rewards: Tensor  # (B, T) float32, outcome and per-turn rewards on action tokens
-    outcome: Tensor  # (B,) float32, Trajectory.reward
     response_len: Tensor  # (B,) int64, tokens after the prompt, observations included
-    prompt_ids: tuple[str, ...]  # (B,) for running-mean baselines
-    group_ids: tuple[str, ...]  # (B,) for group baselines: the rollouts of one prompt publication
     train_mask: Tensor | None = None  # (B, T) bool, action tokens whose policy gradient counts (fresh,
     # not in a masked truncated episode: learner/long_episodes.py); None: every action token
 
@@ -82,7 +78,6 @@ def collate(trajs: Sequence[Trajectory], *, device: torch.device | str = "cpu",
     out = {name: np.zeros((B, T), dtype=dtype) for name, dtype in
            [("tokens", np.int64), ("attention_mask", bool), ("position_ids", np.int64),
             ("action_mask", bool), ("logp_rollout", np.float32), ("rewards", np.float32)]}
-    out["versions"] = np.full((B, T), -1, dtype=np.int32)
     for b, traj in enumerate(trajs):
         n = len(traj.tokens)
         acted = traj.action_mask.astype(bool)
@@ -91,18 +86,13 @@ def collate(trajs: Sequence[Trajectory], *, device: torch.device | str = "cpu",
         out["position_ids"][b, :n] = np.arange(n)
         out["action_mask"][b, :n] = acted
         out["logp_rollout"][b, :n] = np.where(acted, traj.rollout_logprobs, 0.0)
-        out["versions"][b, :n] = traj.versions
         out["rewards"][b, :n] = token_rewards(traj)
     if masks is not None:
         out["train_mask"] = np.zeros((B, T), dtype=bool)
         for b, mask in enumerate(masks):
             out["train_mask"][b, :len(mask)] = mask
     tensors = {k: torch.from_numpy(v).to(device) for k, v in out.items()}
-    return Batch(**tensors,
-                 outcome=torch.tensor([t.reward for t in trajs], dtype=torch.float32, device=device),
-                 response_len=torch.tensor([len(t.tokens) - t.prompt_len for t in trajs], device=device),
-                 prompt_ids=tuple(t.prompt_id for t in trajs),
-                 group_ids=tuple(t.group or t.prompt_id for t in trajs))
+    return Batch(**tensors, response_len=torch.tensor([len(t.tokens) - t.prompt_len for t in trajs], device=device))
 
 
 def model_inputs(batch: Batch, packed: bool) -> dict[str, Tensor]:

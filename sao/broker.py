@@ -181,7 +181,7 @@ def server_properties(node_id: int, data: Path, port: int, controller_port: int,
 
 def die_with_parent() -> None:
     """In the child: SIGTERM it when the process that started it dies, even by SIGKILL, so a
-    crashed test run or `sao stack` leaves no process behind (Linux prctl PR_SET_PDEATHSIG)."""
+    crashed test run or `sao up` leaves no process behind (Linux prctl PR_SET_PDEATHSIG)."""
     import ctypes
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
 
@@ -407,8 +407,8 @@ class EmbeddedBroker:
 
 
 def embedded_unless_named() -> KafkaConfig:
-    """The KafkaConfig default of the commands that bring their own broker (`sao up`, `stack`,
-    `demo`): an empty bootstrap, meaning "start one", unless `--kafka.bootstrap` or
+    """The KafkaConfig default of the commands that bring their own broker (`sao up`, `sao demo`):
+    an empty bootstrap, meaning "start one", unless `--kafka.bootstrap` or
     `SAO_KAFKA_BOOTSTRAP` names a cluster (parse() layers both over this default)."""
     return KafkaConfig(bootstrap="")
 

@@ -22,7 +22,6 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "access": ("sao.access", "AccessConfig", "secured cluster: every service's SCRAM credentials and least-privilege ACLs"),
     "topics": ("sao.topics", "TopicsConfig", "create every sao topic with its partitions and configs, then exit"),
     "audit": ("sao.audit", "AuditConfig", "account for every prompt and trajectory of a run; exit 1 on any unexplained"),
-    "stack": ("sao.stack", "StackConfig", "the whole pipeline on this machine, plain: broker, learner, producers, feeder"),
     "demo": ("sao.demo", "DemoConfig", "broker + topics + a visible produce -> consume round trip"),
     "producer": ("producers.service", "ProducerConfig", "play prompts from sao.prompts, publish trajectories"),
     "feed": ("producers.feeder.service", "FeedConfig", "publish prompts (JSONL or env generator) with backpressure"),

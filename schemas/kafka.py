@@ -54,7 +54,7 @@ def secret_settings(environ: Mapping[str, str]) -> dict[str, str]:
 @dataclass(kw_only=True)
 class KafkaConfig:
     bootstrap: str = "127.0.0.1:9092"
-    """Bootstrap servers of the cluster (`SAO_KAFKA_BOOTSTRAP`); `sao up`, `stack` and `demo` start
+    """Bootstrap servers of the cluster (`SAO_KAFKA_BOOTSTRAP`); `sao up` and `sao demo` start
     an embedded broker unless this is set."""
     topic_prefix: str = "sao"
     """Prefix of every topic name (`sao.prompts`, ...)."""

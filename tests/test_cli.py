@@ -40,7 +40,7 @@ def _sao(*args: str, kafka_cfg=None, as_flags: bool = False, timeout: float = 30
 def test_usage_lists_every_subcommand_and_unknown_ones_fail():
     out = _sao("--help")
     assert out.returncode == 0
-    for name in ("broker", "stack", "demo", "learner", "producer", "feed", "serve", "audit"):
+    for name in ("broker", "up", "demo", "learner", "producer", "feed", "serve", "audit"):
         assert f"  {name} " in out.stdout
     assert _sao("no-such-command").returncode == 2
 
@@ -99,27 +99,27 @@ def _on_the_cluster(kafka_cfg, topic, n: int) -> None:
         consumer.close()
 
 
-def test_demo_and_stack_use_the_cluster_named_by_the_flag_not_a_broker_of_their_own(kafka_cfg, tmp_path):
+def test_demo_and_up_use_the_cluster_named_by_the_flag_not_a_broker_of_their_own(kafka_cfg, tmp_path):
     out = _sao("demo", "--trajectories", "3", "--max-tokens", "100", kafka_cfg=kafka_cfg, as_flags=True)
     assert out.returncode == 0, out.stderr
     assert "broker up at" not in out.stdout and "round trip OK" in out.stdout
     _on_the_cluster(kafka_cfg, kafka_cfg.topic(T.TRAJECTORIES), 3)
-    out = _sao("stack", "--steps", "1", "--producers", "1", "--batch-trajectories", "2",
+    out = _sao("up", "--steps", "1", "--producers", "1", "--batch-trajectories", "2", "--eval-every", "0",
                "--run-dir", str(tmp_path), kafka_cfg=kafka_cfg, as_flags=True)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "broker up at" not in out.stdout
     assert [w.version for w in announcements(kafka_cfg, timeout=10)][:1] == [0]  # the learner's, on the named cluster
 
 
-def test_stack_runs_learner_producers_and_feeder_and_plots(kafka_cfg, tmp_path):
-    out = _sao("stack", "--steps", "3", "--producers", "1", "--batch-trajectories", "4",
+def test_up_runs_learner_producers_and_feeder_and_plots(kafka_cfg, tmp_path):
+    out = _sao("up", "--steps", "3", "--producers", "1", "--batch-trajectories", "4",
                "--run-dir", str(tmp_path), kafka_cfg=kafka_cfg)
     assert out.returncode == 0, out.stderr[-3000:]
     steps = [json.loads(x) for x in (tmp_path / "learner" / "metrics.jsonl").read_text().splitlines()]
     assert [s["step/index"] for s in steps] == [0, 1, 2]
     assert all(s["batch/trajectories"] == 4 for s in steps)
     _accounted(tmp_path, kafka_cfg)
-    png = tmp_path / "learning.png"
+    png = tmp_path / "report.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -139,8 +139,8 @@ def test_sao_variables_configure_a_service_under_the_flags():
         from_env(LearnerConfig, {"SAO_MAX_STEPS": "many"})
 
 
-def test_group_baselines_through_the_stack_train_whole_groups_with_a_group_advantage(kafka_cfg, tmp_path):
-    out = _sao("stack", "--steps", "2", "--producers", "1", "--batch-trajectories", "8", "--group-size", "8",
+def test_group_baselines_through_up_train_whole_groups_with_a_group_advantage(kafka_cfg, tmp_path):
+    out = _sao("up", "--steps", "2", "--eval-every", "0", "--producers", "1", "--batch-trajectories", "8", "--group-size", "8",
                "--learner-flags=--update.algorithm grpo --update.lr-policy 3e-3", "--run-dir", str(tmp_path),
                kafka_cfg=kafka_cfg)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -219,7 +219,7 @@ def test_grpo_advantage_is_group_normalised_and_spread_over_action_tokens():
     assert returns is None and values is None
     total = batch.rewards.sum(-1)
     for b in range(batch.size):
-        group = [i for i in range(batch.size) if batch.prompt_ids[i] == batch.prompt_ids[b]]
+        group = [i for i in range(batch.size) if trajs[i].prompt_id == trajs[b].prompt_id]
         g = total[group]
         expected = (total[b] - g.mean()) / (g.std() + 1e-6)
         acted = batch.action_mask[b]
