@@ -3,8 +3,9 @@ old, s ∈ {0, 2, 4, 8}, from the trained starting point of bench/pretrain.py, w
 
 The staleness is controlled, not left to timing: the in-process loop of bench/loop.py keeps the last
 s + 1 policy snapshots and plays each step's rollouts on the one s versions back. Methods: `sao`,
-`grpo_dis`, `grpo`, `running_mean` and `vapo` (sao without the DIS mask, the paper's critic-without-
-DIS comparison). Every method sees `--batch` trajectories a step (the GRPO variants as groups of 8).
+`grpo_dis`, `grpo`, `running_mean` and `vapo` (sao without the DIS mask, the paper's
+critic-without-DIS comparison). Every method sees `--batch` trajectories a step (the GRPO variants
+as groups of 8).
 With `--stale-tail` each prompt's lag is instead a Zipf draw of at most s versions (heavy-tailed
 episode lengths: most rollouts fresh, a few as old as the bound).
 
@@ -23,7 +24,6 @@ and `--out`.png: the reward curves per staleness, collapses marked. Run:
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -32,26 +32,72 @@ import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, get_args
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+import tyro  # noqa: E402
 
 from bench.loop import SMOOTH, LoopConfig, finite_mean, trailing_mean  # noqa: E402
 from bench.loop import run as train  # noqa: E402
 from bench.pretrain import pretrained_start  # noqa: E402
-from bench.report import command_line, save_figure  # noqa: E402
+from bench.report import save_figure  # noqa: E402
 from learner.algorithms import algorithm_settings  # noqa: E402
 from learner.update import UpdateConfig  # noqa: E402
 
-ALGORITHMS = ("sao", "grpo_dis", "grpo", "running_mean", "vapo")
+Algorithm = Literal["sao", "grpo_dis", "grpo", "running_mean", "vapo"]
+ALGORITHMS: tuple[Algorithm, ...] = get_args(Algorithm)
 STALENESS = (0, 2, 4, 8)
 RECORDED = {"reward": "reward/mean", "kept": "dis/kept_frac", "stale": "stale/versions",
             "ev": "value/explained_var", "entropy": "policy/entropy", "loss": "loss/policy",
             "skipped": "step/skipped"}
 Curves = dict[str, list[float]]  # one run: RECORDED's short names → per-step values
+
+
+@dataclass(kw_only=True)
+class AsyncStabilityConfig:
+    """The sweep; `main` fills the fields left None from `quick`."""
+
+    quick: bool = False
+    """a few minutes: 150 steps, 1 seed, staleness 0 and 8, quick start"""
+    steps: int | None = None
+    """learner steps per run (default 1000)"""
+    seeds: int | None = None
+    """seeds per configuration (default 3)"""
+    staleness: tuple[int, ...] | None = None
+    """versions old (default (0, 2, 4, 8))"""
+    stale_tail: bool = False
+    """each prompt's lag a Zipf draw of at most the staleness, not exactly it (heavy-tailed episode lengths)"""
+    algorithms: tuple[Algorithm, ...] = ALGORITHMS
+    """methods to train"""
+    env: Literal["toy-target", "toy-multiturn"] = "toy-target"
+    """toy task of bench/loop.py"""
+    batch: int = 16
+    """trajectories per step, a multiple of 8"""
+    lr_policy: float = 3e-3
+    """policy learning rate"""
+    lr_critic: float = 3e-3
+    """critic learning rate"""
+    warmup: int = 10
+    """critic-only steps of sao and vapo"""
+    final: int | None = None
+    """steps averaged into the final numbers (default 100)"""
+    patience: int = 50
+    """low steps in a row that are a collapse"""
+    start: Path | None = None
+    """transformers folder (default: bench/pretrain.py's)"""
+    jobs: int = 2
+    """runs in parallel, one CPU thread each"""
+    out: Path = Path("bench/results/async_stability")
+    """writes OUT.md and OUT.png"""
+    raw: Path = Path("runs/bench/async_stability.json")
+    """every run's per-step records, written before the table"""
+    replot: bool = False
+    """table and PNG from --raw, no training"""
 
 
 def collapse_step(reward: list[float], loss: list[float], skipped: list[float],
@@ -70,7 +116,7 @@ def collapse_step(reward: list[float], loss: list[float], skipped: list[float],
     return broken[0] if broken else None
 
 
-def one_run(algorithm: str, staleness: int, seed: int, args: argparse.Namespace) -> Curves:
+def one_run(algorithm: str, staleness: int, seed: int, args: AsyncStabilityConfig) -> Curves:
     """One training run's per-step records."""
     torch.set_num_threads(1)
     cfg = LoopConfig(env=args.env, steps=args.steps, batch=args.batch, staleness=staleness,
@@ -100,7 +146,7 @@ def row(runs: list[Curves], final: int, patience: int) -> dict[str, str]:
             "entropy (final)": f"{statistics.fmean(statistics.fmean(r['entropy'][-final:]) for r in runs):.2f}"}
 
 
-def table(curves: dict[tuple[int, str], list[Curves]], args: argparse.Namespace) -> str:
+def table(curves: dict[tuple[int, str], list[Curves]], args: AsyncStabilityConfig) -> str:
     """The markdown table of every (staleness, method)."""
     rows = {(s, a): row(curves[s, a], args.final, args.patience) for s, a in curves}
     head = ["staleness", "method", *next(iter(rows.values()))]
@@ -109,7 +155,7 @@ def table(curves: dict[tuple[int, str], list[Curves]], args: argparse.Namespace)
     return "\n".join(lines)
 
 
-def plot(curves: dict[tuple[int, str], list[Curves]], staleness: list[int], args: argparse.Namespace,
+def plot(curves: dict[tuple[int, str], list[Curves]], staleness: list[int], args: AsyncStabilityConfig,
          path: Path) -> None:
     import matplotlib
 
@@ -134,31 +180,7 @@ def plot(curves: dict[tuple[int, str], list[Curves]], staleness: list[int], args
 
 
 def main() -> None:
-    parser = command_line(__doc__)
-    parser.add_argument("--quick", action="store_true",
-                        help="a few minutes: 150 steps, 1 seed, staleness 0 and 8, quick start")
-    parser.add_argument("--steps", type=int, help="learner steps per run (default 1000)")
-    parser.add_argument("--seeds", type=int, help="seeds per configuration (default 3)")
-    parser.add_argument("--staleness", type=int, nargs="+", help=f"versions old (default {STALENESS})")
-    parser.add_argument("--stale-tail", action="store_true",
-                        help="each prompt's rollouts a Zipf-distributed number of versions old, at most "
-                             "the staleness (heavy-tailed episode lengths) instead of exactly it")
-    parser.add_argument("--algorithms", nargs="+", default=ALGORITHMS, choices=ALGORITHMS)
-    parser.add_argument("--env", default="toy-target", choices=["toy-target", "toy-multiturn"])
-    parser.add_argument("--batch", type=int, default=16, help="trajectories per step, a multiple of 8")
-    parser.add_argument("--lr-policy", type=float, default=3e-3)
-    parser.add_argument("--lr-critic", type=float, default=3e-3)
-    parser.add_argument("--warmup", type=int, default=10, help="critic-only steps of sao and vapo")
-    parser.add_argument("--final", type=int, help="steps averaged into the final numbers (default 100)")
-    parser.add_argument("--patience", type=int, default=50, help="low steps in a row that are a collapse")
-    parser.add_argument("--start", type=Path, help="transformers folder (default: bench/pretrain.py's)")
-    parser.add_argument("--jobs", type=int, default=2, help="runs in parallel, one CPU thread each")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/async_stability"),
-                        help="writes OUT.md and OUT.png")
-    parser.add_argument("--raw", type=Path, default=Path("runs/bench/async_stability.json"),
-                        help="every run's per-step records, written before the table")
-    parser.add_argument("--replot", action="store_true", help="table and PNG from --raw, no training")
-    args = parser.parse_args()
+    args = tyro.cli(AsyncStabilityConfig, description=__doc__)
     quick = args.quick
     args.steps = args.steps or (150 if quick else 1000)
     args.seeds = args.seeds or (1 if quick else 3)
@@ -194,12 +216,12 @@ def main() -> None:
 
 
 def report(command: str, config: str, elapsed: float, staleness: list[int], runs: list,
-           args: argparse.Namespace) -> None:
+           args: AsyncStabilityConfig) -> None:
     """Print the table, write it and the PNG under `args.out`."""
     curves: dict[tuple[int, str], list[Curves]] = {}
     for a, s, _, run in runs:
         curves.setdefault((s, a), []).append(run)
-    args.algorithms = [a for a in ALGORITHMS if any(key[1] == a for key in curves)]
+    args.algorithms = tuple(a for a in ALGORITHMS if any(key[1] == a for key in curves))
     curves = {(s, a): curves[s, a] for s in staleness for a in args.algorithms if (s, a) in curves}
     text = table(curves, args)
     print(text)

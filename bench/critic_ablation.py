@@ -19,7 +19,6 @@ model (a smoke run: its numbers mean nothing).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -30,22 +29,57 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+import tyro  # noqa: E402
 
 from bench.loop import SMOOTH, LoopConfig, finite_mean, run, trailing_mean  # noqa: E402
 from bench.pretrain import CACHE, PretrainConfig, pretrained_start, value_ceiling  # noqa: E402
-from bench.report import command_line, save_figure  # noqa: E402
+from bench.report import save_figure  # noqa: E402
 from learner.update import UpdateConfig  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-MODELS = {"llama": "dense", "qwen3_moe": "MoE", "smollm2": "SmolLM2"}
+Model = Literal["llama", "qwen3_moe", "smollm2"]  # bench/pretrain.py kinds
+MODELS: dict[Model, str] = {"llama": "dense", "qwen3_moe": "MoE", "smollm2": "SmolLM2"}
 POSITIONS = ("first", "middle", "last")
 WARMUP = UpdateConfig().settings.warmup_steps
+
+
+@dataclass(kw_only=True)
+class CriticAblationConfig:
+    """The ablation; `quick` overrides `steps`, `seeds` and `final` in `main`."""
+
+    steps: int = 400
+    """learner steps per run"""
+    seeds: int = 3
+    """seeds per variant"""
+    batch: int = 16
+    """trajectories per step"""
+    lr_policy: float = 2e-4
+    """small: the reward takes ~100 steps to rise, so the critic has a moving target with variance to explain"""
+    lr_critic: float = 3e-3
+    """critic learning rate"""
+    final: int = 50
+    """last steps averaged into the final figures"""
+    jobs: int = 2
+    """runs in parallel, one CPU thread each"""
+    quick: bool = False
+    """quick starts, 12 steps, 1 seed, the three algorithms only (a smoke run)"""
+    out: Path = RESULTS / "critic_ablation"
+    """writes OUT.md and OUT.png"""
+    models: tuple[Model, ...] = ("llama", "qwen3_moe")
+    """starting points (bench/pretrain.py kinds); smollm2: SmolLM2-135M taught the same text, far slower on a CPU"""
+    cache: Path = CACHE
+    """folder of the starting points"""
+    raw: Path = CACHE.parent / "bench" / "critic_ablation.json"
+    """where every run's per-step metrics go"""
+    replot: bool = False
+    """redo the table and PNG from --raw instead of training (same settings)"""
 
 
 @dataclass(frozen=True, eq=False)  # keyed by identity: a dict field is not hashable
@@ -63,7 +97,7 @@ class Variant:
         return f"{MODELS[self.kind]} {self.name}"
 
 
-def variants(kinds: list[str], quick: bool, lr_critic: float) -> list[Variant]:
+def variants(kinds: tuple[Model, ...], quick: bool, lr_critic: float) -> list[Variant]:
     """The three algorithms on each model; on the tiny dense model the knobs and the random start."""
     out = [Variant(a, kind, a) for kind in kinds for a in ("sao", "sao_k1", "sao_full_critic")]
     if quick or "llama" not in kinds:
@@ -86,7 +120,7 @@ def variants(kinds: list[str], quick: bool, lr_critic: float) -> list[Variant]:
     ]
 
 
-def one_run(v: Variant, start: Path, seed: int, args: argparse.Namespace) -> list[dict[str, float]]:
+def one_run(v: Variant, start: Path, seed: int, args: CriticAblationConfig) -> list[dict[str, float]]:
     torch.set_num_threads(1)
     update = UpdateConfig(**{"algorithm": v.algorithm, "lr_policy": args.lr_policy,
                              "lr_critic": args.lr_critic} | v.knobs)
@@ -106,7 +140,7 @@ def _cell(xs: list[float], digits: int = 2) -> str:
     return f"{statistics.fmean(xs):.{digits}f}" + (f" ± {statistics.pstdev(xs):.{digits}f}" if len(xs) > 1 else "")
 
 
-def table(runs: dict[Variant, list[list[dict]]], args: argparse.Namespace) -> str:
+def table(runs: dict[Variant, list[list[dict]]], args: CriticAblationConfig) -> str:
     """The markdown table: one row per variant, each cell mean ± std over seeds."""
     last, run = -args.final, WARMUP  # EV and correlation: over the run after the default warm-up
     head = ["model", "variant", "start reward", "final reward", "EV", *(f"EV {p}" for p in POSITIONS),
@@ -188,29 +222,7 @@ def plot(runs: dict[Variant, list[list[dict]]], path: Path, ceiling: dict[str, f
 
 
 def main() -> None:
-    parser = command_line(__doc__)
-    parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=16, help="trajectories per step")
-    parser.add_argument("--lr-policy", type=float, default=2e-4,
-                        help="small enough that the reward takes ~100 steps to rise, so that the "
-                             "critic has a moving target with variance to explain")
-    parser.add_argument("--lr-critic", type=float, default=3e-3)
-    parser.add_argument("--final", type=int, default=50, help="last steps averaged into the final figures")
-    parser.add_argument("--jobs", type=int, default=2, help="runs in parallel, one CPU thread each")
-    parser.add_argument("--quick", action="store_true",
-                        help="quick starts, 12 steps, 1 seed, the three algorithms only (a smoke run)")
-    parser.add_argument("--out", type=Path, default=RESULTS / "critic_ablation",
-                        help="writes OUT.md and OUT.png")
-    parser.add_argument("--models", nargs="+", default=["llama", "qwen3_moe"], choices=list(MODELS),
-                        help="starting points (bench/pretrain.py kinds); smollm2: SmolLM2-135M taught the "
-                             "same text, far slower on a CPU")
-    parser.add_argument("--cache", type=Path, default=CACHE, help="folder of the starting points")
-    parser.add_argument("--raw", type=Path, default=CACHE.parent / "bench" / "critic_ablation.json",
-                        help="where every run's per-step metrics go")
-    parser.add_argument("--replot", action="store_true",
-                        help="redo the table and PNG from --raw instead of training (same settings)")
-    args = parser.parse_args()
+    args = tyro.cli(CriticAblationConfig, description=__doc__)
     if args.quick:
         args.steps, args.seeds, args.final = 12, 1, 6
     vs = variants(args.models, args.quick, args.lr_critic)
@@ -236,7 +248,7 @@ def main() -> None:
     print(f"wrote {args.out.with_suffix('.md')} and {args.out.with_suffix('.png')}")
 
 
-def train_all(vs: list[Variant], args: argparse.Namespace) -> tuple[str, dict[Variant, list[list[dict]]]]:
+def train_all(vs: list[Variant], args: CriticAblationConfig) -> tuple[str, dict[Variant, list[list[dict]]]]:
     """Every variant × seed, `args.jobs` at a time; returns the results' header line and the runs."""
     torch.set_num_threads(1)
     start_time = time.perf_counter()

@@ -34,7 +34,6 @@ stopped early still reports what it finished.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import math
@@ -45,14 +44,16 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal, get_args
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+import tyro  # noqa: E402
 
-from bench.report import command_line, save_figure  # noqa: E402
+from bench.report import save_figure  # noqa: E402
 from bench.rollouts import smollm2_rollouts  # noqa: E402
 from learner.gae import skip_observation_gae  # noqa: E402
 from learner.logprobs import collate  # noqa: E402
@@ -63,9 +64,41 @@ from learner.value import ValueModel, critic_values, explained_variance, param_k
 from schemas.messages import Trajectory  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
-TASKS = ("concise", "lowercase")
-CRITICS = ("frozen attention", "attention only", "full", "lora")
+Task = Literal["concise", "lowercase"]
+TASKS: tuple[Task, ...] = get_args(Task)
+Critic = Literal["frozen attention", "attention only", "full", "lora"]
+CRITICS: tuple[Critic, ...] = get_args(Critic)
 KINDS = ("attention", "mlp", "norm", "embedding", "value_head")
+
+
+@dataclass(kw_only=True)
+class CriticClaimsConfig:
+    """The critic runs; `--replot` reads `out`.json instead."""
+
+    steps: int = 20
+    """learner steps per run"""
+    batch: int = 4
+    """small, so that 20 steps fit the budget"""
+    held_out: int = 24
+    """rollouts kept out of training, for the critic's explained variance"""
+    eval_every: int = 5
+    """steps between held-out evaluations"""
+    settle: int = 2
+    """first steps left out of the volatility"""
+    tasks: tuple[Task, ...] = TASKS
+    """judge criteria to train on"""
+    critics: tuple[Critic, ...] = CRITICS
+    """critics to train"""
+    lr_policy: float = 5e-5
+    """make run's"""
+    lr_critic: float = 1e-4
+    """make run's"""
+    threads: int = 2
+    """torch CPU threads"""
+    out: Path = RESULTS / "critic_claims"
+    """writes OUT.md, OUT.png and the raw runs OUT.json"""
+    replot: bool = False
+    """tables and plot from the saved runs"""
 
 
 @dataclass(frozen=True)
@@ -88,7 +121,7 @@ def variants(tasks: tuple[str, ...]) -> list[Variant]:
             if k == 2 or (task == tasks[0] and critic in ("frozen attention", "full"))]
 
 
-def build(v: Variant, source: torch.nn.Module, args: argparse.Namespace, device: torch.device) -> SAOUpdate:
+def build(v: Variant, source: torch.nn.Module, args: CriticClaimsConfig, device: torch.device) -> SAOUpdate:
     lora = ModelConfig(lora_rank=8, lora_critic=True, lora_targets="gate_proj,up_proj,down_proj").lora \
         if v.critic == "lora" else None
     # float32 critics: the gradient norms compared here are the committed float32 runs'
@@ -118,7 +151,7 @@ def held_out_ev(critic: ValueModel, trajs: list[Trajectory], batch: int, device:
 
 
 def one_run(v: Variant, source: torch.nn.Module, train: list[Trajectory], held: list[Trajectory],
-            args: argparse.Namespace, device: torch.device) -> list[dict[str, float]]:
+            args: CriticClaimsConfig, device: torch.device) -> list[dict[str, float]]:
     torch.manual_seed(0)
     sao = build(v, source, args, device)
     history = []
@@ -285,20 +318,7 @@ def report(saved: dict, out: Path) -> str:
 
 
 def main() -> None:
-    ap = command_line(__doc__)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--batch", type=int, default=4, help="small, so that 20 steps fit the budget")
-    ap.add_argument("--held-out", type=int, default=24)
-    ap.add_argument("--eval-every", type=int, default=5)
-    ap.add_argument("--settle", type=int, default=2, help="first steps left out of the volatility")
-    ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
-    ap.add_argument("--critics", nargs="+", default=list(CRITICS), choices=CRITICS)
-    ap.add_argument("--lr-policy", type=float, default=5e-5, help="make run's")
-    ap.add_argument("--lr-critic", type=float, default=1e-4, help="make run's")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", type=Path, default=RESULTS / "critic_claims")
-    ap.add_argument("--replot", action="store_true", help="tables and plot from the saved runs")
-    args = ap.parse_args()
+    args = tyro.cli(CriticClaimsConfig, description=__doc__)
     raw = args.out.with_suffix(".json")
     if args.replot:
         print(report(json.loads(raw.read_text()), args.out))
@@ -315,7 +335,7 @@ def main() -> None:
              "args": {"settle": args.settle}, "runs": []}
     t0 = time.perf_counter()
     data = {task: smollm2_rollouts(n, criterion=task) for task in args.tasks}  # read and scored once a task
-    for v in variants(tuple(args.tasks)):
+    for v in variants(args.tasks):
         if v.critic not in args.critics:
             continue
         train, held = data[v.task][:args.steps * args.batch], data[v.task][args.steps * args.batch:]

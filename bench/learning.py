@@ -14,30 +14,61 @@ PNG of the reward curves. Run: `python bench/learning.py [--steps 300 --seeds 3 
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+import tyro  # noqa: E402
 
 from bench.loop import SMOOTH, TASKS, LoopConfig, trailing_mean  # noqa: E402
 from bench.loop import run as train  # noqa: E402
-from bench.report import command_line, save_figure  # noqa: E402
+from bench.report import save_figure  # noqa: E402
 from learner.update import UpdateConfig  # noqa: E402
 
 ALGORITHMS = ("sao", "grpo_dis", "running_mean", "grpo")
 GROUP = 8  # rollouts per prompt of the GRPO variants
 
 
-def run(env_name: str, algorithm: str, seed: int, args: argparse.Namespace) -> list[float]:
+@dataclass(kw_only=True)
+class LearningConfig:
+    """Every method on every toy task."""
+
+    steps: int = 300
+    """learner steps per run"""
+    seeds: int = 3
+    """seeds per task and method"""
+    batch: int = 16
+    """trajectories per step, a multiple of 8"""
+    sync_every: int = 1
+    """steps between generator weight loads (1 = on-policy)"""
+    start: Path | None = None
+    """transformers folder to start from (default: the random tiny Llama)"""
+    lr_policy: float = 3e-3
+    """policy learning rate"""
+    lr_critic: float = 3e-3
+    """critic learning rate"""
+    final: int = 50
+    """steps averaged into the final reward"""
+    jobs: int = 2
+    """runs in parallel, one CPU thread each"""
+    png: Path = Path("runs/bench/learning.png")
+    """where the reward curves go"""
+
+    def __post_init__(self):
+        if self.batch % GROUP:  # the GRPO variants see batch / GROUP prompts x GROUP rollouts
+            raise ValueError(f"--batch must be a multiple of {GROUP}")
+
+
+def run(env_name: str, algorithm: str, seed: int, args: LearningConfig) -> list[float]:
     """Mean trajectory return of each step of one training run."""
     torch.set_num_threads(1)
     cfg = LoopConfig(env=env_name, steps=args.steps, batch=args.batch, group=GROUP,
@@ -57,7 +88,7 @@ def steps_to(curve: list[float], target: float) -> int | None:
     return int(hit[0]) + SMOOTH if hit.size else None
 
 
-def report(curves: dict[tuple[str, str], list[list[float]]], args: argparse.Namespace) -> None:
+def report(curves: dict[tuple[str, str], list[list[float]]], args: LearningConfig) -> None:
     print(f"{'task':<15}{'method':<14}{'final reward':>16}{'steps to 80% best':>20}")
     for env_name in TASKS:
         finals = {a: [statistics.fmean(c[-args.final:]) for c in curves[env_name, a]]
@@ -92,22 +123,7 @@ def plot(curves: dict[tuple[str, str], list[list[float]]], path: Path) -> None:
 
 
 def main() -> None:
-    parser = command_line(__doc__)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=16, help="trajectories per step, a multiple of 8")
-    parser.add_argument("--sync-every", type=int, default=1,
-                        help="steps between generator weight loads (1 = on-policy)")
-    parser.add_argument("--start", type=Path,
-                        help="transformers folder to start from (default: the random tiny Llama)")
-    parser.add_argument("--lr-policy", type=float, default=3e-3)
-    parser.add_argument("--lr-critic", type=float, default=3e-3)
-    parser.add_argument("--final", type=int, default=50, help="steps averaged into the final reward")
-    parser.add_argument("--jobs", type=int, default=2, help="runs in parallel, one CPU thread each")
-    parser.add_argument("--png", type=Path, default=Path("runs/bench/learning.png"))
-    args = parser.parse_args()
-    if args.batch % GROUP:
-        parser.error(f"--batch must be a multiple of {GROUP}")
+    args = tyro.cli(LearningConfig, description=__doc__)
     model = args.start or "tiny Llama (vocab 64, hidden 32, 2 layers)"
     print(f"learning: {model}, {args.steps} steps x {args.batch} "
           f"trajectories, GRPO groups of {GROUP}, sync every {args.sync_every}, lr {args.lr_policy:g} "

@@ -29,7 +29,6 @@ records go to `--raw` after each run, so `--replot` redoes the table of a stoppe
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -38,17 +37,22 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, get_args
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import tyro  # noqa: E402
+
 from bench.async_stability import collapse_step  # noqa: E402
 from bench.loop import finite_mean, trailing_mean  # noqa: E402
-from bench.report import command_line, save_figure  # noqa: E402
+from bench.report import save_figure  # noqa: E402
 from learner.algorithms import algorithm_settings  # noqa: E402
 from sao import report  # noqa: E402
 
-METHODS = ("sao", "grpo_dis", "running_mean")
+Method = Literal["sao", "grpo_dis", "running_mean"]
+METHODS: tuple[Method, ...] = get_args(Method)
 GROUPED = {"grpo_dis"}  # methods whose baseline is the group's: G rollouts of each prompt
 METHOD_FLAGS = {"running_mean": "--update.running-mean-scope global"}  # prompt ids never repeat here
 RECORDED = {"reward": "reward/mean", "kept": "dis/kept_frac", "stale": "stale/p50", "stale_p99": "stale/p99",
@@ -57,7 +61,64 @@ RECORDED = {"reward": "reward/mean", "kept": "dis/kept_frac", "stale": "stale/p5
 Curves = dict[str, list[float]]  # one run: RECORDED's short names → per-step values
 
 
-def up_command(method: str, args: argparse.Namespace, run_dir: Path) -> list[str]:
+@dataclass(kw_only=True)
+class PipelineStabilityConfig:
+    """The sweep; `main` fills the fields left None from `quick`, which also sets model, env and judge."""
+
+    quick: bool = False
+    """a minute or two a method: tiny-llama on toy-target, 6 steps of 8, no judge"""
+    methods: tuple[Method, ...] = METHODS
+    """methods to run, one `sao up` each"""
+    steps: int | None = None
+    """learner steps per method (default 20; --quick 6)"""
+    max_lag_steps: float = 4.0
+    """`sao up --max-lag-steps`"""
+    batch: int = 8
+    """trajectories per learner step"""
+    group_size: int = 4
+    """rollouts per prompt of grpo_dis"""
+    max_tokens: int = 24
+    """most tokens per rollout (`sao up --max-tokens`)"""
+    lr_policy: float | None = None
+    """default 1e-4 (make run's; --quick 3e-3)"""
+    lr_critic: float | None = None
+    """default 5e-4 (make run's; --quick 3e-3)"""
+    warmup: int = 1
+    """critic-only steps of sao"""
+    patience: int = 5
+    """low steps in a row that are a collapse"""
+    smooth: int = 5
+    """steps of the reward's trailing mean"""
+    timeout: float = 2400.0
+    """seconds one `sao up` may take"""
+    run_root: Path = Path("runs/bench/pipeline_stability")
+    """each method's `sao up` run directory, <run-root>/<method>"""
+    out: Path = Path("bench/results/pipeline_stability")
+    """writes OUT.md and OUT.png"""
+    raw: Path = Path("runs/bench/pipeline_stability.json")
+    """every run's per-step records, written after each run"""
+    replot: bool = False
+    """table and PNG from --raw, no training"""
+    add: bool = False
+    """keep the runs --raw holds (same setting) and run only --methods, replacing theirs"""
+
+    @property
+    def model(self) -> str:
+        """The `sao up --model`."""
+        return "tiny-llama" if self.quick else "smollm2"
+
+    @property
+    def env(self) -> str:
+        """The `sao up --env`."""
+        return "toy-target" if self.quick else "writing"
+
+    @property
+    def judge(self) -> str:
+        """The `sao up --judge` criterion; empty: the env's own reward."""
+        return "" if self.quick else "concise"
+
+
+def up_command(method: str, args: PipelineStabilityConfig, run_dir: Path) -> list[str]:
     """The `sao up` run of one method: `make run`'s setting with the bench's lag bound."""
     warmup = f"--update.warmup-steps {args.warmup} " if algorithm_settings(method).uses_critic else ""
     learner = (f"--update.algorithm {method} {warmup}"
@@ -79,7 +140,7 @@ def curves(steps: list[dict]) -> Curves:
     return {short: [float(s.get(key, math.nan)) for s in ordered] for short, key in RECORDED.items()}
 
 
-def row(run: Curves, wall_s: float, args: argparse.Namespace) -> dict[str, str]:
+def row(run: Curves, wall_s: float, args: PipelineStabilityConfig) -> dict[str, str]:
     """One table row: a method's run."""
     reward, n = run["reward"], min(5, len(run["reward"]) // 2)
     collapse = collapse_step(reward, run["loss"], run["skipped"], args.patience, args.smooth)
@@ -97,14 +158,14 @@ def row(run: Curves, wall_s: float, args: argparse.Namespace) -> dict[str, str]:
             "wall": f"{wall_s:.0f} s"}
 
 
-def table(runs: dict[str, tuple[Curves, float]], args: argparse.Namespace) -> str:
+def table(runs: dict[str, tuple[Curves, float]], args: PipelineStabilityConfig) -> str:
     rows = {m: row(run, wall, args) for m, (run, wall) in runs.items()}
     head = ["method", *next(iter(rows.values()))]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     return "\n".join(lines + [f"| {m} | " + " | ".join(r.values()) + " |" for m, r in rows.items()])
 
 
-def plot(runs: dict[str, tuple[Curves, float]], args: argparse.Namespace, path: Path) -> None:
+def plot(runs: dict[str, tuple[Curves, float]], args: PipelineStabilityConfig, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -126,7 +187,7 @@ def plot(runs: dict[str, tuple[Curves, float]], args: argparse.Namespace, path: 
     save_figure(fig, path, dpi=110)
 
 
-def report_runs(raw: dict, args: argparse.Namespace) -> str:
+def report_runs(raw: dict, args: PipelineStabilityConfig) -> str:
     """Print the table, write it and the PNG under `args.out`."""
     runs = {m: (r["curves"], r["wall_s"]) for m, r in raw["runs"].items() if r["curves"]["reward"]}
     text = table(runs, args)
@@ -142,32 +203,8 @@ def report_runs(raw: dict, args: argparse.Namespace) -> str:
 
 
 def main() -> None:
-    parser = command_line(__doc__)
-    parser.add_argument("--quick", action="store_true",
-                        help="a minute or two a method: tiny-llama on toy-target, 6 steps of 8, no judge")
-    parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
-    parser.add_argument("--steps", type=int, help="learner steps per method (default 20; --quick 6)")
-    parser.add_argument("--max-lag-steps", type=float, default=4.0, help="`sao up --max-lag-steps`")
-    parser.add_argument("--batch", type=int, default=8, help="trajectories per learner step")
-    parser.add_argument("--group-size", type=int, default=4, help="rollouts per prompt of grpo_dis")
-    parser.add_argument("--max-tokens", type=int, default=24)
-    parser.add_argument("--lr-policy", type=float, help="default 1e-4 (make run's; --quick 3e-3)")
-    parser.add_argument("--lr-critic", type=float, help="default 5e-4 (make run's; --quick 3e-3)")
-    parser.add_argument("--warmup", type=int, default=1, help="critic-only steps of sao")
-    parser.add_argument("--patience", type=int, default=5, help="low steps in a row that are a collapse")
-    parser.add_argument("--smooth", type=int, default=5, help="steps of the reward's trailing mean")
-    parser.add_argument("--timeout", type=float, default=2400, help="seconds one `sao up` may take")
-    parser.add_argument("--run-root", type=Path, default=Path("runs/bench/pipeline_stability"),
-                        help="each method's `sao up` run directory, <run-root>/<method>")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/pipeline_stability"),
-                        help="writes OUT.md and OUT.png")
-    parser.add_argument("--raw", type=Path, default=Path("runs/bench/pipeline_stability.json"))
-    parser.add_argument("--replot", action="store_true", help="table and PNG from --raw, no training")
-    parser.add_argument("--add", action="store_true",
-                        help="keep the runs --raw holds (same setting) and run only --methods, replacing theirs")
-    args = parser.parse_args()
+    args = tyro.cli(PipelineStabilityConfig, description=__doc__)
     quick = args.quick
-    args.model, args.env, args.judge = ("tiny-llama", "toy-target", "") if quick else ("smollm2", "writing", "concise")
     args.steps = args.steps or (6 if quick else 20)
     args.lr_policy = args.lr_policy or (3e-3 if quick else 1e-4)
     args.lr_critic = args.lr_critic or (3e-3 if quick else 5e-4)
