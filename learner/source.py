@@ -4,21 +4,14 @@ A background thread polls Kafka, decodes (bad bytes → `sao.dlq`) and checks ea
 what this learner can train (learner/checks.py: untrainable → `sao.dlq` with the reason), so a step
 is only ever formed from trainable trajectories and decoding overlaps with training. Its queue is
 bounded, and when full it pauses the partitions rather than stop polling. The training thread forms
-each step from that queue in arrival order: drop duplicates by trajectory id, drop trajectories
-too little of which is fresh (`fresh(traj) < min_fresh_frac`: the share of their action tokens
-within `--max-staleness`, learner/long_episodes.py), close at `batch_trajectories` or
-`batch_tokens`. Staleness is judged
+each step from that queue in arrival order by the rules of learner/formation.py (duplicates,
+stale trajectories, whole groups, when a step is full), which hold no Kafka. Staleness is judged
 against the version at step formation, so a step's composition does not depend on how far the
-prefetch thread ran ahead. Group baselines (grpo, grpo_dis) take a group only whole: its members
-wait in `held` until all G have arrived (or `group_wait_steps` steps have passed: then a partial
-group of at least 2 trains, a lone member is dropped and counted).
+prefetch thread ran ahead.
 
-State (consumed positions, the held group members, the ledger of recently trained ids, and that
-of recently dropped ones with the reason, which `sao audit` reads) lives here with `state_dict()`,
-is saved in the checkpoint, and is committed to Kafka only after that checkpoint is durable. The
-ledgers are bounded by age (`dedup_window` ids): duplicates come from a prompt replayed after its
-producer died, so they arrive within a group session timeout plus an episode of the original, at
-any offset; an offset bound would not catch them, an age bound does.
+The formation's state (consumed positions, held group members, the ledgers of recently trained and
+dropped ids, which `sao audit` reads) is saved in the checkpoint, and committed to Kafka only after
+that checkpoint is durable. One learner consumes a run: a second one in the group is fenced out.
 """
 
 from __future__ import annotations
@@ -29,12 +22,12 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from confluent_kafka import OFFSET_INVALID, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from learner.checks import Trainable, untrainable
+from learner.formation import Formation, StepBatch, StepRule
 from schemas import topics as T
 from schemas.config import ConfigError
 from schemas.kafka import (SESSION_TIMEOUT_S, FatalKafkaError, KafkaConfig, consumer_error, dead_letter,
@@ -71,63 +64,15 @@ def other_members(kafka: KafkaConfig, group: str, me: str | None = None) -> list
     return [f"{m.client_id}@{m.host.lstrip('/')}" for m in members if m.member_id != me]
 
 
-@dataclass(frozen=True)
-class Consumed:
-    """A consumed, decoded, trainable trajectory and where it came from."""
-
-    traj: Trajectory
-    payload: bytes
-    partition: int
-    offset: int
-
-
-@dataclass(kw_only=True)
-class StepBatch:
-    """One optimizer step's trajectories, in the order they were consumed."""
-
-    entries: list[Consumed] = field(default_factory=list)
-    staleness: list[int] = field(default_factory=list)
-    num_tokens: int = 0
-    dropped: dict[str, list[str]] = field(default_factory=dict)
-    """Ids consumed while forming this step and not trained, by reason (stale, duplicate,
-    partial_group): the learner's record of them, which `sao audit` reconciles with the topic."""
-
-    def drop(self, reason: str, ids: list[str]) -> None:
-        if ids:
-            self.dropped.setdefault(reason, []).extend(ids)
-
-    @property
-    def trajectories(self) -> list[Trajectory]:
-        return [e.traj for e in self.entries]
-
-    @property
-    def payloads(self) -> list[bytes]:
-        return [e.payload for e in self.entries]
-
-    @property
-    def ids(self) -> list[str]:
-        return [e.traj.id for e in self.entries]
-
-
-def remember(ledger: dict, entries: dict, window: int) -> None:
-    """Add `entries` to an insertion-ordered ledger, then forget its oldest beyond `window`."""
-    ledger.update(entries)
-    while len(ledger) > window:
-        del ledger[next(iter(ledger))]
-
-
 class TrajectorySource:
+    """Kafka around `Formation`: the prefetch thread, the group and its fence, commits, dead letters."""
+
     def __init__(self, kafka: KafkaConfig, trainable: Trainable, *, prefetch: int = 512,
                  limits: Limits = Limits(), dedup_window: int = 1 << 16, group_wait_steps: int = 8):
         self.kafka, self.trainable, self.limits = kafka, trainable, limits
-        self.dedup_window, self.group_wait_steps = dedup_window, group_wait_steps
         self.topic = kafka.topic(T.TRAJECTORIES)
-        self.positions: dict[int, int] = {}  # partition -> next offset to train
-        self.trained: dict[str, int] = {}  # the ledger: trajectory id -> step index, oldest first
-        self.dropped: dict[str, tuple[str, int]] = {}  # id -> (StepBatch.dropped reason, step index), likewise
-        self.held: dict[str, list[Consumed]] = {}  # group -> members waiting for the rest
-        self.held_since: dict[str, int] = {}  # group -> step index its first member arrived at
-        self.counts = collections.Counter()  # dlq, duplicate, stale, partial_group, dead_step
+        self.formation = Formation(needs_groups=trainable.needs_groups, dedup_window=dedup_window,
+                                   group_wait_steps=group_wait_steps, limits=limits)
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -144,19 +89,19 @@ class TrajectorySource:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
-        return {"positions": dict(self.positions), "trained": list(self.trained.items()),
-                "dropped": [(i, *why) for i, why in self.dropped.items()],
-                "held": {g: [(e.payload, e.partition, e.offset) for e in members]
-                         for g, members in self.held.items()},
-                "held_since": dict(self.held_since)}
+        return self.formation.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        self.positions = {int(p): int(o) for p, o in state["positions"].items()}
-        self.trained = dict(state["trained"])
-        self.dropped = {i: (reason, step) for i, reason, step in state.get("dropped", [])}  # older: none
-        self.held = {g: [Consumed(Trajectory.decode(payload, self.limits), payload, p, o) for payload, p, o in members]
-                     for g, members in state["held"].items()}
-        self.held_since = dict(state["held_since"])
+        self.formation.load_state_dict(state)
+
+    @property
+    def positions(self) -> dict[int, int]:
+        return self.formation.positions
+
+    @property
+    def counts(self) -> collections.Counter:
+        """dlq, duplicate, stale, partial_group, dead_step."""
+        return self.formation.counts
 
     # ------------------------------------------------------------------ prefetch thread
     def claim(self) -> None:
@@ -287,30 +232,10 @@ class TrajectorySource:
     def _form(self, step_index: int, staleness: Callable[[Trajectory], int], fresh: Callable[[Trajectory], float],
               min_fresh_frac: float, batch_trajectories: int, batch_tokens: int,
               stop: threading.Event) -> StepBatch | None:
-        step = StepBatch()
-        snapshot = (dict(self.positions), collections.Counter(self.counts),
-                    {g: list(m) for g, m in self.held.items()}, dict(self.held_since))
-
-        def take(entries: list[Consumed]) -> None:
-            for e in entries:
-                stale = staleness(e.traj)
-                if fresh(e.traj) < min_fresh_frac:
-                    self.counts["stale"] += 1
-                    step.drop("stale", [e.traj.id])
-                    continue
-                step.entries.append(e)
-                step.staleness.append(stale)
-                step.num_tokens += e.traj.num_tokens
-
-        for group in [g for g, since in self.held_since.items() if step_index - since >= self.group_wait_steps]:
-            members = self._release(group)
-            if len(members) >= 2:
-                take(members)
-            else:
-                self.counts["partial_group"] += len(members)
-                step.drop("partial_group", [e.traj.id for e in members])
-        seen = {e.traj.id for members in self.held.values() for e in members}
-        while len(step.entries) < batch_trajectories and step.num_tokens < batch_tokens:
+        formation = self.formation
+        step = formation.open(step_index, StepRule(batch_trajectories=batch_trajectories, batch_tokens=batch_tokens,
+                                                   min_fresh_frac=min_fresh_frac, staleness=staleness, fresh=fresh))
+        while not formation.full(step):
             try:
                 item = self._queue.get(timeout=0.2)
             except queue.Empty:
@@ -319,33 +244,14 @@ class TrajectorySource:
                 if self.error is not None:
                     raise RuntimeError(f"trajectory prefetch stopped: {self.error}") from self.error
                 if stop.is_set():
-                    self.positions, self.counts, self.held, self.held_since = snapshot
+                    formation.abandon()
                     return None
                 # Waiting for the rest of a step: what this step holds and what was dead-lettered
                 # counts as consumed, else a backpressure bound under one step would never open.
                 self._report_progress()
                 continue
-            partition, offset, traj, payload = item
-            self.positions[partition] = offset + 1
-            if traj is None:
-                self.counts["dlq"] += 1
-            elif traj.id in self.trained or traj.id in seen:
-                self.counts["duplicate"] += 1
-                step.drop("duplicate", [traj.id])
-            else:
-                seen.add(traj.id)
-                entry = Consumed(traj, payload, partition, offset)
-                if not self.trainable.needs_groups:
-                    take([entry])
-                    continue
-                self.held.setdefault(traj.group, []).append(entry)
-                self.held_since.setdefault(traj.group, step_index)
-                if len(self.held[traj.group]) >= traj.group_size:
-                    take(self._release(traj.group))
-        remember(self.trained, dict.fromkeys(step.ids, step_index), self.dedup_window)
-        remember(self.dropped, {i: (reason, step_index) for reason, ids in step.dropped.items() for i in ids},
-                 self.dedup_window)
-        return step
+            formation.offer(step, *item)
+        return formation.close(step)
 
     def _report_progress(self) -> None:
         """Commit the positions consumed so far to the progress group, which only the feeder's and
@@ -359,10 +265,6 @@ class TrajectorySource:
             self.progress.commit(offsets=offsets, asynchronous=True)
         except KafkaException as e:
             log.debug("progress commit: %s", e)
-
-    def _release(self, group: str) -> list[Consumed]:
-        del self.held_since[group]
-        return self.held.pop(group)
 
     # ------------------------------------------------------------------ Kafka offsets and lag
     def commit(self, positions: dict[int, int]) -> None:

@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 ANCHOR_ASK_EVERY_S = 10.0
 """Seconds between two anchor requests of one subscriber while the newest version stays out of reach."""
 
-__all__ = ["FollowConfig", "WeightSubscriber", "WeightsError", "decode_announcement", "learner_store", "local_path",
+__all__ = ["FollowConfig", "Following", "WeightSubscriber", "WeightsError", "decode_announcement", "learner_store", "local_path",
            "prune", "read_backlog", "weights_reader"]
 
 
@@ -168,8 +168,57 @@ def prune(history: list[Weights], keep_anchors: int) -> list[Weights]:
     return history[anchors[-keep_anchors]:] if len(anchors) > keep_anchors else history
 
 
+class Following:
+    """What a follower knows of the announcements and what it decides from them, with no Kafka, no
+    files and no engine (the pure core of `WeightSubscriber`): the history back to its newest
+    `keep_anchors` anchors, the versions that failed, the chain to load next, and when to ask the
+    learner for an anchor."""
+
+    def __init__(self, keep_anchors: int = 2, ask_every_s: float = ANCHOR_ASK_EVERY_S):
+        self.keep_anchors, self.ask_every_s = keep_anchors, ask_every_s
+        self.history: list[Weights] = []
+        self.bad: set[int] = set()  # versions that failed to apply
+        self.refusal = ""  # why the last version was refused, for an anchor request
+        self.asked_at = -math.inf
+        self.counts = {"loaded": 0, "rejected": 0, "ignored": 0, "invalid": 0, "anchor_asks": 0}
+
+    def backlog(self, announcements: list[Weights]) -> None:
+        self.history = prune(announcements, self.keep_anchors)
+
+    def announced(self, w: Weights, engine_version: int, received: bool = False) -> None:
+        """A new announcement; `received`: its update already came over the collective link."""
+        if not received and w.version <= engine_version:
+            self.counts["ignored"] += 1
+            log.info("weights version %d ignored: already on %d", w.version, engine_version)
+        self.history = prune([*self.history, w], self.keep_anchors)
+        self.bad.discard(w.version)  # announced again: worth another try
+
+    def chain(self, held_version: int) -> list[Weights]:
+        """The updates to apply, in order, to reach the newest version reachable (`plan`)."""
+        return plan(self.history, held_version, self.bad)
+
+    def newest(self) -> Weights | None:
+        return max(self.history, key=lambda w: w.version, default=None)
+
+    def failed(self, version: int, error: str) -> None:
+        self.bad.add(version)
+        self.refusal = f"v{version}: {error}"
+        self.counts["rejected"] += 1
+
+    def anchor_request(self, requester: str, held: int, now: float) -> AnchorRequest | None:
+        """An anchor request if the newest version announced is newer than `held` (anything held or
+        loaded), and none was asked for within `ask_every_s`; None otherwise."""
+        newest = max((w.version for w in self.history), default=-1)
+        if newest <= held or now - self.asked_at < self.ask_every_s:
+            return None
+        self.asked_at = now
+        return AnchorRequest(requester=requester, held_version=held, wanted_version=newest,
+                             reason=self.refusal or "no anchor reaches it")
+
+
 class WeightSubscriber:
-    """A background thread that keeps `generator` on the newest version it can verify."""
+    """A background thread that keeps `generator` on the newest version it can verify, as
+    `Following` decides: the Kafka reading, the rebuilds, the engine loads and the anchor asks."""
 
     def __init__(self, kafka: KafkaConfig, generator: Generator, *, verify_files: bool = True,
                  follow: FollowConfig = FollowConfig(), poll_s: float = 0.2, keep_anchors: int = 2,
@@ -180,7 +229,8 @@ class WeightSubscriber:
         self.verify_files = verify_files  # False: the generator only records versions (http backend),
         # so it gets the uri itself and this process reads no payload
         self.poll_s, self.keep_anchors = poll_s, keep_anchors
-        self.counts = {"loaded": 0, "rejected": 0, "ignored": 0, "invalid": 0, "anchor_asks": 0}
+        self.following = Following(keep_anchors)
+        self.counts = self.following.counts
         self.trusted = follow.trusted
         if self.trusted is not None:
             self.counts |= {"unsigned": 0, "untrusted": 0, "forged": 0}
@@ -193,11 +243,7 @@ class WeightSubscriber:
         self.totals = {"fetch_s": 0.0, "write_s": 0.0, "load_s": 0.0, "pause_s": 0.0, "bytes": 0}
         self.caught_up = threading.Event()  # the backlog has been read and the newest version tried
         self.error: BaseException | None = None  # why the thread died; the owner should exit
-        self._history: list[Weights] = []  # announcements from the newest `keep_anchors` anchors on
         self._held: Rebuilt | None = None  # the state of the version last loaded: the base of the next delta
-        self._bad: set[int] = set()  # versions that failed to apply
-        self._refusal = ""  # why the last version was refused, for an anchor request
-        self._asked_at = -math.inf
         self._asker = None  # a Kafka producer, made on the first anchor request
         self._own_scratch = not follow.scratch_dir
         self._scratch = Path(follow.scratch_dir or tempfile.mkdtemp(prefix="sao-weights-"))
@@ -227,7 +273,7 @@ class WeightSubscriber:
     def _run(self) -> None:
         consumer = weights_reader(self.kafka)
         try:
-            self._history = self._backlog(consumer)
+            self.following.backlog(self._backlog(consumer))
             self._advance()
             self.caught_up.set()
             while not self._stop.is_set():
@@ -251,11 +297,7 @@ class WeightSubscriber:
 
     def _announced(self, w: Weights) -> None:
         received = self._receive(w) if self._link is not None else False  # a member must always take its broadcast
-        if not received and w.version <= self.generator.version:
-            self.counts["ignored"] += 1
-            log.info("weights version %d ignored: already on %d", w.version, self.generator.version)
-        self._history = prune([*self._history, w], self.keep_anchors)
-        self._bad.discard(w.version)  # announced again: worth another try
+        self.following.announced(w, self.generator.version, received)
         if not received:
             self._advance()
         self.handled += 1
@@ -268,19 +310,17 @@ class WeightSubscriber:
     def _load_newest(self) -> None:
         """Rebuild and load the newest version reachable, trying the next best after each failure."""
         if not self.verify_files:  # the server loads: hand it the newest announcement
-            newest = max(self._history, key=lambda w: w.version, default=None)
+            newest = self.following.newest()
             if newest is not None and newest.version > self.generator.version:
                 self._load(newest.uri, newest.version, [newest], time.perf_counter(), "file")
             return
-        while chain := plan(self._history, self.held_version, self._bad):
+        while chain := self.following.chain(self.held_version):
             if chain[-1].version < self.generator.version:
                 return  # nothing as new as what the engine runs
             t0 = time.perf_counter()
             state, failed, error = rebuild(chain, self._held)
             if failed is not None:
-                self._bad.add(failed.version)
-                self._refusal = f"v{failed.version}: {error}"
-                self.counts["rejected"] += 1
+                self.following.failed(failed.version, error)
                 log.error("weights version %d refused, staying on %d: %s", failed.version,
                           self.generator.version, error)
             if state is not None and state.version >= self.generator.version:
@@ -293,13 +333,10 @@ class WeightSubscriber:
         """Ask the learner for an anchor if the newest version announced is newer than anything
         held or loaded: no chain from an anchor this subscriber has reaches it. Best effort: an
         ask that fails is logged, and the next scheduled anchor comes anyway."""
-        newest = max((w.version for w in self._history), default=-1)
-        held, now = max(self.held_version, self.generator.version), time.monotonic()
-        if not self.verify_files or newest <= held or now - self._asked_at < ANCHOR_ASK_EVERY_S:
+        held = max(self.held_version, self.generator.version)
+        if not self.verify_files or (ask := self.following.anchor_request(self.requester, held, time.monotonic())) is None:
             return
-        self._asked_at = now
-        ask = AnchorRequest(requester=self.requester, held_version=held, wanted_version=newest,
-                            reason=self._refusal or "no anchor reaches it")
+        newest = ask.wanted_version
         self._asker = self._asker or make_producer(self.kafka)
         try:
             err = produce_and_wait(self._asker, self.kafka.topic(T.WEIGHT_REQUESTS), ask.encode(), ask.key,
@@ -339,7 +376,6 @@ class WeightSubscriber:
                 if old != path:
                     old.unlink(missing_ok=True)  # the engine's last good file stays (vLLM reloads it on failure)
         else:
-            self._bad.add(state.version)
             path.unlink(missing_ok=True)
 
     def _hold(self, state: Rebuilt) -> None:
@@ -354,8 +390,7 @@ class WeightSubscriber:
         except ArchitectureMismatch as e:
             raise _mismatch(version, e) from e
         except Exception as e:  # a load failure must never take the producer down
-            self._refusal = f"v{version}: {e}"
-            self.counts["rejected"] += 1
+            self.following.failed(version, str(e))
             log.error("weights version %d rejected by the engine, staying on %d: %s", version,
                       self.generator.version, e)
             return False

@@ -102,7 +102,7 @@ def test_a_failure_of_another_step_restarts_the_count_and_success_records_nothin
     assert failures.poisoned(["b"]) is not None
 
 
-# ------------------------------------------------------------------ step formation (no broker needed)
+# ------------------------------------------------------------------ a poisoned step (formation itself: test_formation.py)
 
 
 def source(**kw) -> TrajectorySource:
@@ -114,39 +114,6 @@ def feed(src: TrajectorySource, trajs: list[Trajectory], partition: int = 0) -> 
         src._queue.put((partition, offset, t, t.encode()))
 
 
-def form(src: TrajectorySource, step_index: int, batch: int = 4):
-    return src.next_step(step_index=step_index, staleness=lambda t: staleness(3, t), fresh=lambda t: 1.0, min_fresh_frac=0.0,
-                         batch_trajectories=batch, batch_tokens=1 << 20, stop=threading.Event())
-
-
-def test_the_ledger_is_bounded_by_its_window_and_so_is_the_checkpoint():
-    src = source(dedup_window=100, prefetch=30_000)
-    feed(src, [traj(id=f"t{i}") for i in range(20_000)])
-    sizes = []
-    for step in range(5_000):
-        assert len(form(src, step).entries) == 4
-        sizes.append(len(src.state_dict()["trained"]))
-    assert max(sizes) == 100 and sizes[-1] == 100
-    assert [i for i, _ in src.state_dict()["trained"]][-1] == "t19999"
-
-
-def test_group_baselines_train_only_whole_groups_and_release_a_late_partial_group():
-    src = source(trainable=dataclasses.replace(SPEC, needs_groups=True), group_wait_steps=2)
-    members = {g: [traj(id=f"{g}.{s}", group=g, group_size=3) for s in range(3)] for g in "abcde"}
-    feed(src, [members[g][s] for s in range(3) for g in "abc"] + members["d"][:2] + members["e"])
-    assert sorted(form(src, 0, batch=6).ids) == ["a.0", "a.1", "a.2", "b.0", "b.1", "b.2"]
-    assert sorted(form(src, 1, batch=3).ids) == ["c.0", "c.1", "c.2"]
-    assert sorted(form(src, 2, batch=3).ids) == ["e.0", "e.1", "e.2"] and set(src.held) == {"d"}
-    again = source(trainable=src.trainable, group_wait_steps=2)
-    again.load_state_dict(src.state_dict())  # the held members travel in the checkpoint
-    assert [e.traj.id for e in again.held["d"]] == ["d.0", "d.1"]
-    stop = threading.Event()
-    stop.set()  # nothing more arrives: at step 3 the group has waited 1 step, and the step stays open
-    assert again.next_step(step_index=3, staleness=lambda t: staleness(3, t), fresh=lambda t: 1.0, min_fresh_frac=0.0, batch_trajectories=2,
-                           batch_tokens=1 << 20, stop=stop) is None and set(again.held) == {"d"}
-    assert sorted(form(again, 4, batch=2).ids) == ["d.0", "d.1"]  # waited 2 steps: trains partial
-
-
 def test_a_poisoned_step_is_dead_lettered_whole_and_the_next_one_formed(kafka_cfg):
     src = source()
     src.kafka, src.dlq = kafka_cfg, make_producer(kafka_cfg)
@@ -155,7 +122,7 @@ def test_a_poisoned_step_is_dead_lettered_whole_and_the_next_one_formed(kafka_cf
                          batch_tokens=1 << 20, stop=threading.Event(),
                          poisoned=lambda ids: "boom" if "t0" in ids else None)
     assert step.ids == ["t4", "t5", "t6", "t7"] and src.counts["dead_step"] == 1
-    assert src.positions == {0: 8} and "t0" in src.trained  # a late duplicate is not trained either
+    assert src.positions == {0: 8} and "t0" in src.formation.trained  # a late duplicate is not trained either
     letters = read_dead_letters(kafka_cfg, 4)
     assert [(dl.offset, dl.error) for dl in letters] == [(i, "boom") for i in range(4)]
     assert [Trajectory.decode(dl.payload).id for dl in letters] == ["t0", "t1", "t2", "t3"]

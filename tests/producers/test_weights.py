@@ -132,7 +132,7 @@ def test_a_missing_delta_is_refused_then_the_next_anchor_and_its_chain_load(kafk
         line.publish(5, s[5], base=4)
         wait_until(lambda: gen.version == 5)
         assert same_weights(gen.model, s[5])
-        assert w2.version in sub._bad
+        assert w2.version in sub.following.bad
     finally:
         sub.close()
 
