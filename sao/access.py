@@ -214,11 +214,37 @@ class AccessConfig:
     """The CA certificate clients trust, named in the env files (`ssl.ca.location`)."""
     rotate: bool = False
     """New passwords for every principal (the services must restart with theirs)."""
+    prepare: bool = False
+    """Only write the passwords (admin's included) and, with --tls-dir, a throwaway CA and the
+    brokers' certificate, touching no cluster: what a deployment mounts before its broker starts
+    (docker-compose.secure.yml)."""
+    tls_dir: Path | None = None
+    """--prepare: where the CA (`ca.pem`) and the brokers' key and certificate (`broker.pem`) go
+    (kept if already there)."""
+    tls_hosts: str = "localhost,127.0.0.1"
+    """--prepare: the names the brokers' certificate is valid for, comma separated."""
     kafka: KafkaConfig = field(default_factory=KafkaConfig)
     """The cluster, as its admin (`SAO_KAFKA_SASL_USERNAME=admin` and its password file)."""
 
 
+def prepare(cfg: AccessConfig) -> list[str]:
+    """Every principal's password in `cfg.dir` and, with `cfg.tls_dir`, the TLS files; no cluster."""
+    from sao.tls import make_tls
+
+    if cfg.tls_dir is not None:
+        make_tls(cfg.tls_dir, cfg.tls_hosts.split(","))
+    names = [ADMIN, *ACCESS]
+    for name in names:
+        password(cfg.dir, name, cfg.rotate)
+    return names
+
+
 def run(cfg: AccessConfig) -> None:
+    if cfg.prepare:
+        names = prepare(cfg)
+        print(f"passwords of {', '.join(names)} in {cfg.dir}" + (f"; CA and broker certificate in {cfg.tls_dir}"
+                                                                  if cfg.tls_dir else ""), flush=True)
+        return
     names = apply(cfg.kafka, cfg.dir, cfg.ca, cfg.rotate)
     print(f"access applied on {cfg.kafka.bootstrap}: {', '.join(names)} (passwords and env files in {cfg.dir})",
           flush=True)

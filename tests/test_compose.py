@@ -30,8 +30,8 @@ from schemas import topics as T
 from schemas.signing import load_trusted, refusal
 
 ROOT = Path(__file__).resolve().parents[1]
-BASE, PORTS, HOST, GPU, CLUSTER = (str(ROOT / f"docker-compose{x}.yml")
-                                   for x in ("", ".override", ".host", ".gpu", ".cluster"))
+BASE, PORTS, HOST, GPU, CLUSTER, SECURE = (str(ROOT / f"docker-compose{x}.yml")
+                                           for x in ("", ".override", ".host", ".gpu", ".cluster", ".secure"))
 PROFILES = ("agent", "rewards", "vllm", "gpu", "monitoring")
 IMAGE = os.environ.get("SAO_IMAGE", "sao-stream:latest")
 
@@ -47,8 +47,8 @@ def _compose(*args: str, env: dict | None = None, check: bool = True, timeout: f
 
 
 @pytest.mark.parametrize("files", [[BASE, PORTS], [BASE, HOST], [BASE, PORTS, GPU], [BASE, HOST, GPU],
-                                   [BASE, HOST, CLUSTER]],
-                         ids=["default", "host", "gpu", "host+gpu", "host+cluster"])
+                                   [BASE, HOST, CLUSTER], [BASE, HOST, SECURE]],
+                         ids=["default", "host", "gpu", "host+gpu", "host+cluster", "host+secure"])
 @pytest.mark.parametrize("profile", [None, *PROFILES])
 def test_compose_files_validate_with_every_profile(files, profile):
     args = [a for f in files for a in ("-f", f)] + (["--profile", profile] if profile else [])
@@ -67,7 +67,7 @@ def test_compose_runs_kafka_in_kraft_mode_and_every_service_restarts():
 
 def test_env_example_documents_every_variable_the_compose_files_read():
     used = set()
-    for f in (BASE, PORTS, HOST, GPU, CLUSTER):
+    for f in (BASE, PORTS, HOST, GPU, CLUSTER, SECURE):
         used |= set(re.findall(r"\$\{([A-Z0-9_]+)", Path(f).read_text()))
     documented = set(re.findall(r"^#?\s*([A-Z0-9_]+)=", (ROOT / ".env.example").read_text(), re.M))
     assert used - documented == set(), "undocumented in .env.example"
@@ -97,12 +97,13 @@ def engine():
         subprocess.run([str(ROOT / "docker" / "engine.sh"), "stop"], check=False)
 
 
-def _read_topic(bootstrap: str, topic: str) -> list:
-    """Every message now on `topic`, decoded."""
+def _read_topic(bootstrap: str, topic: str, settings: dict | None = None) -> list:
+    """Every message now on `topic`, decoded (`settings`: a secured cluster's client settings)."""
     from confluent_kafka import Consumer, TopicPartition
 
     from schemas.messages import decode
-    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"t-{uuid.uuid4().hex}", "enable.auto.commit": False})
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"sao-up-{uuid.uuid4().hex}", "enable.auto.commit": False,
+                  **(settings or {})})
     try:
         parts = c.list_topics(topic, timeout=10).topics[topic].partitions
         ends = {p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in parts}
@@ -244,6 +245,63 @@ def test_cpu_topology_trains_survives_a_producer_sigkill_and_leaves_nothing(engi
         left = subprocess.run(["docker", *kind.split(), "-q", "--filter", f"label=com.docker.compose.project={name}"],
                               capture_output=True, text=True, check=True).stdout.split()
         assert left == [], f"`down -v` left {kind.split()[0]}: {left}"
+
+
+@pytest.mark.timeout(1800)
+def test_secure_override_trains_with_every_service_as_its_own_principal(engine, tmp_path):
+    """docker-compose.secure.yml over the host file: `sao access --prepare` on the host, then a
+    broker with TLS, SASL/SCRAM and ACLs only, `sao access` as the admin in the `topics` one-shot,
+    and the learner, a producer and the feeder each with its own password file alone. The learner
+    trains and signs; a plaintext client gets nothing; no password reaches a log or an environment."""
+    from confluent_kafka import KafkaException
+    from confluent_kafka.admin import AdminClient
+
+    from sao import access
+
+    build = subprocess.run([sys.executable, str(ROOT / "docker" / "build.py"), "--tag", IMAGE, "-q"],
+                           capture_output=True, text=True, timeout=2400)
+    assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-4000:]
+    secrets = tmp_path / "secrets"
+    prepared = subprocess.run([sys.executable, "-m", "sao", "access", "--prepare", "--dir", str(secrets / "access"),
+                               "--tls-dir", str(secrets / "tls")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert prepared.returncode == 0, prepared.stderr
+    name, port = f"saotest{uuid.uuid4().hex[:8]}", free_port()
+    env = {"SAO_IMAGE": IMAGE, "SAO_KAFKA_PORT": str(port), "SAO_SECRETS": str(secrets), "SAO_FEED_COUNT": "48",
+           "SAO_BATCH_TRAJECTORIES": "4", "SAO_MAX_TOKENS": "8", "SAO_LOG_EVERY_S": "2", "SAO_LEARNER_THREADS": "1",
+           "SAO_LR_POLICY": "3e-3", "SAO_LR_CRITIC": "3e-3", "SAO_LOG_LEVEL": "INFO"}
+    project = ["-p", name, "-f", BASE, "-f", HOST, "-f", SECURE]
+    bootstrap = f"127.0.0.1:{port}"
+    observer = {**access.client_settings("observer", secrets / "tls" / "ca.pem"),
+                "sasl.password": access.password(secrets / "access", "observer")}
+    run = lambda *a, **k: _compose(*project, *a, env=env, **k)  # noqa: E731
+    try:
+        _up(run, project, "--scale", "eval=0")
+        # 12 steps of 4: the critic's warm-up steps (10 here), then policy updates v1, v2
+        _wait("weights v2 published on the secured broker",
+              lambda: max((w.version for w in _read_topic(bootstrap, "sao.weights", observer)), default=-1) >= 2,
+              900, project)
+        public = run("exec", "-T", "learner", "cat", "/weights/learner.pub").stdout
+        (keyfile := tmp_path / "learner.pub").write_text(public)
+        assert {refusal(w, load_trusted(str(keyfile))) for w in _read_topic(bootstrap, "sao.weights", observer)} == {""}
+        with pytest.raises(KafkaException):  # nothing answers a client without TLS and credentials
+            AdminClient({"bootstrap.servers": bootstrap, "log_level": 0}).list_topics(timeout=5)
+        # each service has its own password file mounted, and no other (the feeder has exited: its
+        # container's mounts say it)
+        for service, principal in (("learner", "learner"), ("producer", "producer"), ("feeder", "feeder")):
+            [container] = run("ps", "-a", "-q", service).stdout.split()
+            mounts = subprocess.run(["docker", "inspect", "-f", "{{range .Mounts}}{{.Source}}\n{{end}}", container],
+                                    capture_output=True, text=True, check=True).stdout.split()
+            assert sorted(m for m in mounts if m.startswith(str(secrets))) == \
+                sorted([str(secrets / "tls" / "ca.pem"), str(secrets / "access" / f"{principal}.password")]), mounts
+        mounted = run("exec", "-T", "learner", "cat", "/run/sao/kafka.password").stdout.strip()
+        assert mounted == access.password(secrets / "access", "learner")
+        passwords = [p.read_text().strip() for p in (secrets / "access").glob("*.password")]
+        seen = run("logs", "--no-color").stdout + "".join(
+            subprocess.run(["docker", "inspect", "-f", "{{.Config.Env}}", c], capture_output=True, text=True).stdout
+            for c in run("ps", "-q").stdout.split())
+        assert not [p for p in passwords if p in seen], "a password in a log or a container's environment"
+    finally:
+        _compose(*project, "down", "-v", "--remove-orphans", "--timeout", "30", env=env, check=False, timeout=300)
 
 
 def _dead_prompts(bootstrap: str) -> set[str]:
