@@ -304,6 +304,40 @@ def test_secure_override_trains_with_every_service_as_its_own_principal(engine, 
         _compose(*project, "down", "-v", "--remove-orphans", "--timeout", "30", env=env, check=False, timeout=300)
 
 
+@pytest.mark.timeout(1800)
+def test_agent_profile_trains_a_tool_agent_with_its_defaults_and_its_sandbox_runs_code(engine):
+    """--profile agent with its defaults (the default pipeline scaled to 0 beside it): its learner,
+    `sao serve`, a sandboxed python-tool producer asking serve for tokens and its feeder, all on
+    tiny-llama-bytes and topics agent.*; the learner trains the producer's episodes, and the
+    producer's container runs code in the full sandbox (namespaces, chroot, cgroup) with the rights
+    compose gives it, short of `privileged`."""
+    build = subprocess.run([sys.executable, str(ROOT / "docker" / "build.py"), "--tag", IMAGE, "-q"],
+                           capture_output=True, text=True, timeout=2400)
+    assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-4000:]
+    name, port = f"saotest{uuid.uuid4().hex[:8]}", free_port()
+    env = {"SAO_IMAGE": IMAGE, "SAO_KAFKA_PORT": str(port), "SAO_AGENT_FEED_COUNT": "16",
+           "SAO_AGENT_BATCH_TRAJECTORIES": "4", "SAO_AGENT_MAX_TOKENS": "16", "SAO_LEARNER_THREADS": "1"}
+    project = ["-p", name, "-f", BASE, "-f", HOST, "--profile", "agent"]
+    bootstrap = f"127.0.0.1:{port}"
+    run = lambda *a, **k: _compose(*project, *a, env=env, **k)  # noqa: E731
+    try:
+        _up(run, project, *(a for svc in ("learner", "producer", "feeder", "eval") for a in ("--scale", f"{svc}=0")))
+
+        def steps():
+            out = run("exec", "-T", "learner-agent", "cat", "/runs/agent/learner/metrics.jsonl", check=False).stdout
+            return [json.loads(line) for line in out.splitlines() if line.strip()]
+        trained = _wait("the agent learner's second step", lambda: len(steps()) >= 2 and steps(), 900, project)
+        trajectories = _read_topic(bootstrap, "agent.trajectories")
+        assert trajectories and {t.env for t in trajectories} == {"python-tool"}
+        assert {t.producer_id.split("-")[0] for t in trajectories} == {"agent"}
+        assert {i for s in trained for i in s["trajectory_ids"]} <= {t.id for t in trajectories}
+        ran = run("exec", "-T", "producer-agent", "python3", "-c",
+                  "from producers.sandbox import Sandbox, SandboxConfig; print(Sandbox(SandboxConfig()).run('print(6 * 7)'))")
+        assert "output='42\\n'" in ran.stdout and "peak_memory_bytes=None" not in ran.stdout, ran.stdout + ran.stderr
+    finally:
+        _compose(*project, "down", "-v", "--remove-orphans", "--timeout", "30", env=env, check=False, timeout=300)
+
+
 def _dead_prompts(bootstrap: str) -> set[str]:
     """Prompt ids of dead letters (a prompt's own bytes, or a trajectory's prompt id)."""
     from schemas.messages import Prompt, SchemaError, Trajectory, decode
