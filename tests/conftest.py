@@ -62,6 +62,7 @@ SLOW = [
     "test_misconfiguration.py",
     "test_up.py",
     "test_warmup.py",
+    "test_security.py",
 ]
 """The modules of 25 s or more in the suite's run of 2026-12-02 (`pytest --durations=0`, 57 min in
 all): the compose, kill, multi-node, vLLM and pipeline tests and the longer Kafka ones. Without
@@ -77,6 +78,7 @@ LONGEST_FIRST = [
     "bench/test_pipeline_stability.py",
     "producers/test_vllm_pipeline.py",
     "test_cli.py",
+    "test_security.py",
     "producers/test_feeder.py",
     "learner/test_multinode.py",
     "test_broker.py",
