@@ -197,5 +197,33 @@ def test_the_pipeline_trains_under_least_privilege_each_service_as_its_own_princ
         [line for line in logs.splitlines() if "uthoriz" in line][:5]
 
 
+def test_the_auditor_and_the_inference_server_work_as_their_own_principals(secured):
+    """`sao audit` as `observer` reads every topic and group it accounts with; `sao serve` as
+    `serve` follows the weights and answers: neither meets a refusal."""
+    audit = _sao(secured, "observer", "audit", "--timeout-s", "30")
+    said = audit.stdout + audit.stderr
+    assert audit.returncode in (0, 1) and "prompts" in audit.stdout, said[-3000:]  # 1: the seeded bytes above
+    assert "FatalKafkaError" not in said and "uthoriz" not in said, said[-3000:]
+    from sao.broker import free_port
+    port = free_port()
+    env = {**os.environ, **secured.service_env("serve"), "SAO_KAFKA_BOOTSTRAP": secured.bootstrap,
+           "SAO_KAFKA_TOPIC_PREFIX": "sao", "OMP_NUM_THREADS": "1"}
+    serve = subprocess.Popen([sys.executable, "-m", "sao", "serve", "--port", str(port)], cwd=ROOT, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        import httpx
+        deadline, healthy = time.monotonic() + 120, False
+        while not healthy and serve.poll() is None and time.monotonic() < deadline:
+            try:
+                healthy = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        assert healthy, "sao serve as `serve` never answered"
+    finally:
+        serve.terminate()
+        out, _ = serve.communicate(timeout=60)
+    assert "FatalKafkaError" not in out and "uthoriz" not in out, out[-3000:]
+
+
 def test_the_docs_show_the_access_table_the_code_applies():
     assert access.markdown() in (ROOT / "docs" / "security.md").read_text()
