@@ -97,7 +97,7 @@ def save(model: torch.nn.Module, out: Path, extra: Callable[[Path], None] = lamb
     at all: into a temporary folder beside `out`, `extra` adding its files (a tokenizer), then
     renamed over `out`. Not `save_pretrained` on the model itself: one loaded from a GGUF stays
     marked quantized although its weights are plain floats, and transformers refuses to save it."""
-    from safetensors.torch import save_model
+    from safetensors.torch import save_file
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
@@ -106,9 +106,23 @@ def save(model: torch.nn.Module, out: Path, extra: Callable[[Path], None] = lamb
     config = model.config.to_dict()
     config.pop("quantization_config", None)
     (tmp / "config.json").write_text(json.dumps(config, indent=1))
-    save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})  # tied weights once
+    save_file(untied_state(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
     extra(tmp)
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
     return out
+
+
+def untied_state(model: torch.nn.Module) -> dict[str, Tensor]:
+    """The state dict to write, a tied output head left out: its weight is the input embedding's,
+    stored once under the embedding's name as transformers writes it. vLLM builds a tied model's
+    head from `model.embed_tokens.weight` and skips `lm_head.weight`, so a file holding only the
+    head's name (what safetensors' `save_model` kept) left vLLM's embedding unloaded: it sampled
+    `<|endoftext|>` forever from a `sao warmup` folder."""
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+    if out is not None and out.weight is inp.weight:
+        names = {id(m): n for n, m in model.named_modules()}
+        state.pop(f"{names[id(out)]}.weight")
+    return state
