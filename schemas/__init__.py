@@ -8,7 +8,8 @@ payload format of weight updates) and `collective` (the weight broadcast's proto
 Shared helpers (no wire format; here because `learner`, `producers` and `consumers` never import
 each other, so a rule two of them follow has to live below all three): `kafka` and `retry` (client
 factories, produce-and-wait, range reads, the transient-error rule), `progress` (consumer lag),
-`config` (typed flags and `SAO_*` variables), `http` (the two HTTP servers' guards), `process`
+`config` (typed flags and `SAO_*` variables), `files` (a file written whole or not at all),
+`signing` (the learner's Ed25519 signatures on weights), `http` (the two HTTP servers' guards), `process`
 (signals, the CPU's features), `plugins` and `boundary` (loading and calling user code),
 `catalogue`, `models` and `tokenizers` (model names every service agrees on).
 """
