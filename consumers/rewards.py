@@ -13,7 +13,7 @@ import math
 import threading
 from dataclasses import dataclass, field
 
-from confluent_kafka import Producer
+from confluent_kafka import KafkaError, Producer
 
 from schemas import topics as T
 from schemas.config import ConfigError
@@ -29,8 +29,7 @@ class RewardPublisher:
     def __init__(self, kafka: KafkaConfig, producer: Producer | None = None):
         self.topic = kafka.topic(T.REWARDS)
         self.producer = producer or make_producer(kafka)
-        self.failed: list[str] = []
-        self.refusal = None  # the broker's refusal of a write (schemas.kafka.refused), if any
+        self.failed: list[tuple[bytes | None, KafkaError]] = []  # (key, delivery error) of each reward lost
 
     def send(self, reward: Reward, on_delivery=None) -> None:
         produce(self.producer, self.topic, reward.encode(), key=reward.key, on_delivery=on_delivery or self._check)
@@ -38,10 +37,10 @@ class RewardPublisher:
     def flush(self, timeout: float = 30.0) -> None:
         if self.producer.flush(timeout):
             raise TimeoutError(f"rewards not acknowledged by the broker within {timeout}s")
-        if self.refusal is not None:
-            raise FatalKafkaError(f"Kafka refused the write to {self.topic}: {self.refusal.str()}")
+        if refusal := next((err for _, err in self.failed if refused(err)), None):
+            raise FatalKafkaError(f"Kafka refused the write to {self.topic}: {refusal.str()}")
         if self.failed:
-            raise RuntimeError(f"rewards not delivered: {self.failed}")
+            raise RuntimeError(f"rewards not delivered: {[f'{key!r}: {err}' for key, err in self.failed]}")
 
     def deliver(self, reward: Reward, stop: threading.Event) -> bool:
         """Send `reward` and wait until the broker has it, sending it again if librdkafka's own
@@ -61,8 +60,7 @@ class RewardPublisher:
 
     def _check(self, err, msg) -> None:
         if err is not None:
-            self.failed.append(f"{msg.key()!r}: {err}")
-            self.refusal = err if refused(err) else self.refusal
+            self.failed.append((msg.key(), err))
 
 
 def publish(trajectory_id: str, reward: float, *, source: str = "python", criterion: str = "",

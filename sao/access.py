@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from consumers.control import CONTROL
 from schemas import topics as T
 from schemas.files import atomic_file
 from schemas.kafka import KafkaConfig, ensure_topics
@@ -73,7 +74,6 @@ FOLLOW_WEIGHTS = (topic(T.WEIGHTS, "READ"), groups("sao-weights-"), topic(T.WEIG
 """A follower of the weights reads every announcement and may ask the learner for an anchor."""
 LEARNER_BACKLOG = group("{p}-learner-progress", "DESCRIBE")
 """The learner's progress commits, read to hold rollouts back while it has work left (`--max-lag`)."""
-JUDGE_CONTROL = "judge.control"
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ ACCESS: dict[str, Principal] = {
     "judge": Principal("sao judge, sao reward serve, sao reward publish", (
         SEE_TOPICS, REPORT_BAD_INPUT,
         topic(T.PENDING, "READ"), group("sao-judges"), groups("judge-control-"), groups("{p}.reward-serve-"),
-        topic("{p}." + JUDGE_CONTROL, "READ"),
+        topic(CONTROL, "READ"),
         topic(T.REWARDS, "WRITE"))),
     "joiner": Principal("sao reward-join", (
         SEE_TOPICS, REPORT_BAD_INPUT,
@@ -127,17 +127,19 @@ def allows(principal: str, resource: str, name: str, op: str, prefix: str = "sao
 
 def markdown(prefix: str = "sao") -> str:
     """`ACCESS` as the table docs/security.md shows (a test keeps the two equal)."""
-    def names(p: Principal, resource: str, *ops: str) -> str:
-        found = [(g.name + "*" if g.prefixed else g.name) for g in (g.on(prefix) for g in p.grants)
-                 if g.resource == resource and any(o in g.ops or "ALL" in g.ops for o in ops)]
-        return ", ".join(f"`{n}`" for n in found) or "-"
+    def names(p: Principal, resource: str, op: str) -> list[str]:
+        return [f"`{g.name}*`" if g.prefixed else f"`{g.name}`" for g in (g.on(prefix) for g in p.grants)
+                if g.resource == resource and (op in g.ops or "ALL" in g.ops)]
+
+    def cell(names_: list[str]) -> str:
+        return ", ".join(names_) or "-"
 
     rows = ["| principal | services | reads | writes | groups (read; *describe*) |", "| --- | --- | --- | --- | --- |"]
     for name, p in ACCESS.items():
-        groups_ = names(p, "group", "READ")
-        described = [n for n in names(p, "group", "DESCRIBE").split(", ") if n not in groups_.split(", ") and n != "-"]
-        rows.append(f"| `{name}` | {p.services} | {names(p, 'topic', 'READ')} | {names(p, 'topic', 'WRITE')} | "
-                    f"{groups_}{''.join(f'; *{n}*' for n in described)} |")
+        read = names(p, "group", "READ")
+        described = [n for n in names(p, "group", "DESCRIBE") if n not in read]
+        rows.append(f"| `{name}` | {p.services} | {cell(names(p, 'topic', 'READ'))} | {cell(names(p, 'topic', 'WRITE'))} | "
+                    f"{cell(read)}{''.join(f'; *{n}*' for n in described)} |")
     return "\n".join(rows) + "\n"
 
 
@@ -193,7 +195,7 @@ def apply(kafka: KafkaConfig, folder: Path, ca: Path | None, rotate: bool = Fals
     writes each principal's password and env file to `folder`. Returns the principals."""
     from confluent_kafka.admin import AdminClient
 
-    ensure_topics(kafka, (*T.ALL, T.Topic(JUDGE_CONTROL, 1)), timeout)
+    ensure_topics(kafka, (*T.ALL, CONTROL), timeout)
     upsert_credentials(kafka, folder, ACCESS, rotate, timeout)
     admin = AdminClient(kafka.client())
     for fut in admin.create_acls(acl_bindings(kafka.topic_prefix), request_timeout=timeout).values():

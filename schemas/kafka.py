@@ -155,8 +155,9 @@ def ensure_topics(cfg: KafkaConfig, wanted: Iterable[T.Topic] = T.ALL, timeout: 
     """Create the topics that do not exist yet, replicated as `replication_now` says; returns the
     names created (empty when all exist)."""
     admin = AdminClient(cfg.client())
-    existing = set(metadata(admin, timeout).topics)
-    factor, min_isr = replication_now(cfg, timeout)
+    md = metadata(admin, timeout)
+    existing = set(md.topics)
+    factor, min_isr = T.replication(len(md.brokers))  # as replication_now, from the same look
     new = [NewTopic(cfg.topic(t), num_partitions=t.partitions, replication_factor=factor,
                     config={**t.config, "min.insync.replicas": str(min_isr)})
            for t in wanted if cfg.topic(t) not in existing]

@@ -17,13 +17,14 @@ import pytest
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
+from consumers.control import CONTROL
 from sao import access
 from sao.broker import BrokerConfig, EmbeddedBroker
 from schemas import topics as T
 from schemas.kafka import FatalKafkaError, KafkaConfig, consumer_error, make_consumer
 
 ROOT = Path(__file__).resolve().parents[1]
-TOPICS = [t.name() for t in T.ALL] + ["sao." + access.JUDGE_CONTROL]
+TOPICS = [t.name() for t in (*T.ALL, CONTROL)]
 
 
 @pytest.fixture(scope="module")
