@@ -15,7 +15,10 @@ pause (a forward hook records the version of every decode step). Figures:
 - pause: what decoding stopped for at each update (the hf backend's in-place copy), and its ratio
   to the sync it belongs to (target <= 0.2);
 - the learner's background publication (snapshot handed over → announced) and the producers'
-  fetch/rebuild/verify, file write and load, per update.
+  fetch/rebuild/verify and load, per update;
+- disk: bytes the producers wrote to disk per producer per update (the kernel's `write_bytes` of
+  this process, where both producers run; the learner is another process); target 0: every
+  update reaches the engine in memory, however it travelled.
 
     .venv/bin/python bench/weight_sync.py [--steps 20] [--hidden 512] [--layers 8] [--vocab 8192]
 """
@@ -45,11 +48,11 @@ from bench.shapes import synthetic  # noqa: E402
 from learner.models import tiny_llama  # noqa: E402
 from producers.generate.base import SamplingParams  # noqa: E402
 from producers.generate.hf import HFGenerator  # noqa: E402
-from producers.weights import FollowConfig, WeightSubscriber  # noqa: E402
 from sao.broker import BrokerConfig, EmbeddedBroker, free_port  # noqa: E402
 from schemas import topics as T  # noqa: E402
 from schemas.kafka import KafkaConfig, ensure_topics, make_consumer, make_producer, produce  # noqa: E402
 from schemas.messages import Weights  # noqa: E402
+from schemas.weights.follow import FollowConfig, WeightSubscriber  # noqa: E402
 
 
 class Engine:
@@ -109,6 +112,7 @@ def run_case(bootstrap: str, args, flags: list[str], follow: FollowConfig) -> di
         produce(producer, kafka.topic(T.TRAJECTORIES), t.encode(), key=t.key)
     assert producer.flush(60) == 0
     dims = dict(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers, seed=0)
+    written = disk_bytes_written()
     engines = [Engine(kafka, tiny_llama(**dims), follow) for _ in range(2)]
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "sao", "learner", "--run-dir", f"{tmp}/learner", "--weights-dir", f"{tmp}/weights",
@@ -125,7 +129,14 @@ def run_case(bootstrap: str, args, flags: list[str], follow: FollowConfig) -> di
         time.sleep(0.1)
     for e in engines:
         e.close()
-    return summarise(steps, ws, engines)
+    loads = sum(e.sub.counts["loaded"] for e in engines)
+    return summarise(steps, ws, engines) | {"disk": (disk_bytes_written() - written) / max(loads, 1)}
+
+
+def disk_bytes_written() -> int:
+    """Bytes this process has caused to be written to storage (counted as pages are dirtied)."""
+    io = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return int(io["write_bytes"])
 
 
 def summarise(steps: list[dict], ws: list[Weights], engines: list[Engine]) -> dict:
@@ -144,7 +155,7 @@ def summarise(steps: list[dict], ws: list[Weights], engines: list[Engine]) -> di
                 pauses.append(u["pause_s"])
                 ratios.append(u["pause_s"] / sync)
     per = {k: [u[k] for e in engines for u in e.updates.values() if k in u]
-           for k in ("fetch_s", "write_s", "load_s", "bytes")}
+           for k in ("fetch_s", "load_s", "bytes")}
     publish = [s["weights/encode_s"] + s["weights/write_s"] + s["weights/announce_s"] + s["weights/broadcast_s"]
                for s in steps if "weights/encode_s" in s]
     return {"updates": len(deltas), "full": full, "anchors": [w.num_bytes for w in ws if w.base < 0],
@@ -188,7 +199,7 @@ def main() -> None:
           f"tokens, lr {args.lr:g} (LoRA 1e-4), 2 hf producers  [{platform.machine()}, {os.cpu_count()} cores, "
           f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, load average {os.getloadavg()[0]:.1f}]")
     print(f"{'case':<14}{'deltas':>7}{'median B':>11}{'÷ full':>8}{'moved B':>10}{'sync s':>14}{'pause s':>9}{'pause÷sync':>11}"
-          f"{'publish s':>10}{'fetch s':>9}{'write s':>9}{'load s':>8}  how the updates came")
+          f"{'publish s':>10}{'fetch s':>9}{'load s':>8}{'disk B':>8}  how the updates came")
 
     def med(xs):
         return statistics.median(xs) if xs else float("nan")
@@ -197,8 +208,8 @@ def main() -> None:
         print(f"{name:<14}{r['updates']:>7}{r['delta_median']:>11.0f}{r['delta_median'] / r['full']:>8.4f}"
               f"{med(r['bytes']):>10.0f}"
               f"{med(r['sync']):>8.3f}/{max(r['sync'], default=float('nan')):<5.2f}{med(r['pause']):>9.4f}"
-              f"{med(r['ratio']):>11.3f}{med(r['publish']):>10.3f}{med(r['fetch_s']):>9.3f}{med(r['write_s']):>9.3f}"
-              f"{med(r['load_s']):>8.3f}  {r['sources'][0]}")
+              f"{med(r['ratio']):>11.3f}{med(r['publish']):>10.3f}{med(r['fetch_s']):>9.3f}"
+              f"{med(r['load_s']):>8.3f}{r['disk']:>8.0f}  {r['sources'][0]}")
     for name, r in results.items():
         print(f"{name}: anchors {[round(a / 1e6, 2) for a in r['anchors']]} MB; last delta "
               f"{r['delta_last'] / r['full']:.4f} of full; snapshot on the training thread {r['snapshot_s']:.3f} s/step")

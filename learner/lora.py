@@ -8,7 +8,7 @@ with rank 0's state like every other weight (`with_adapters`): A from Kaiming-un
 draws it, B zero, so the adapted model starts as the base. Published names drop what peft
 inserts (`published_name`): `q_proj.weight` is the base, `q_proj.lora_A.weight` and
 `q_proj.lora_B.weight` the adapter, and `lora_scale` (alpha / rank) travels in the payload;
-producers serve `W + scale · B @ A` (producers/updates.py).
+producers serve `W + scale · B @ A` (schemas/weights/chain.py).
 
 The critic (`--model.lora-critic`): adapters only on its targets outside attention, so its
 attention stays frozen as docs/algorithm.md §5 requires; its value head trains whole, the rest is frozen.

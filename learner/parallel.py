@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +23,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from schemas.process import native_bf16
+from schemas.weights import payload as W
 
 
 @dataclass(kw_only=True)
@@ -185,6 +186,13 @@ def gather_buckets(model: nn.Module, dtype: torch.dtype,
             bucket, size = [], 0
     if size:
         yield bucket
+
+
+def snapshot(model: nn.Module, dtype: torch.dtype, bucket_bytes: int,
+             rename: Callable[[str], str] = lambda name: name) -> W.State:
+    """Rank 0: the policy's full state in `dtype` on the host, named by `rename`; {} on the other
+    ranks. A collective (every rank gathers each tensor)."""
+    return {rename(name): W.from_torch(t) for bucket in gather_buckets(model, dtype, bucket_bytes) for name, t in bucket}
 
 
 def broadcast_bytes(items: list[bytes] | None, device: torch.device) -> list[bytes] | None:

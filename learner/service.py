@@ -5,9 +5,9 @@ forms each step from Kafka and broadcasts its bytes; every rank trains its token
 that step in token-budget micro-batches, and FSDP2 (parameters, gradients and optimizer state
 sharded) sums the gradients (learner/update.py). After each step: checkpoint if due, then commit
 the checkpoint's offsets to Kafka, then snapshot the policy if it changed; rank 0's publisher
-thread writes and announces it while the next step trains (learner/publish.py).
+thread writes and announces it while the next step trains (schemas/weights/publish.py).
 
-Exactly once across crashes: the checkpoint (every rank's shards, learner/store.py) holds models,
+Exactly once across crashes: the checkpoint (every rank's shards, learner/checkpoint.py) holds models,
 optimizers, RNG, the weight version, the consumed position of every partition and the ledger of
 trained trajectory ids; a restart, with any number of ranks, resumes from it and re-forms the
 same steps, because steps close on counts, never on time.
@@ -24,24 +24,26 @@ from pathlib import Path
 
 import torch
 
-from learner.models import ModelConfig, build_models, build_policy
-from learner.parallel import ParallelConfig, broadcast_bytes, init_distributed
-from learner.lora import published_name
-from learner.publish import DTYPES, AnchorRequests, Publisher, WeightsConfig, announcer, newest_announced, snapshot
+from learner.checkpoint import Checkpointer
 from learner.checks import Trainable
 from learner.failures import StepFailures
 from learner.long_episodes import fresh_fraction, policy_tokens, staleness
+from learner.lora import published_name
+from learner.models import ModelConfig, build_models, build_policy
+from learner.parallel import ParallelConfig, broadcast_bytes, init_distributed, snapshot
 from learner.source import TrajectorySource
-from learner.store import Checkpointer, WeightStore
 from learner.telemetry import Telemetry, episode_metrics, staleness_metrics
 from learner.update import SAOUpdate, UpdateConfig
 from learner.value import format_report, param_report
 from schemas import topics as T
-from schemas.collective import Links, link_backend
 from schemas.config import ConfigError
 from schemas.kafka import KafkaConfig, ensure_topics, make_producer
 from schemas.messages import Trajectory
 from schemas.process import stop_on_signals
+from schemas.weights.announcements import announcer, newest_announced
+from schemas.weights.collective import Links, link_backend
+from schemas.weights.publish import DTYPES, AnchorRequests, Publisher, WeightsConfig
+from schemas.weights.store import WeightStore
 
 log = logging.getLogger(__name__)
 

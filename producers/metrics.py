@@ -4,7 +4,7 @@ log line with the rates derived from them.
 Names: `sao_producer_episodes_total`, `sao_producer_action_tokens_total`,
 `sao_producer_errors_total{kind}`, `sao_producer_episodes_in_flight`, `sao_producer_weight_version`,
 `sao_producer_weight_updates{outcome=loaded|rejected|ignored|invalid|anchor_asks}`, and per weight update
-(producers/weights.py) `sao_producer_weight_last_seconds{phase=fetch|write|load|pause|lag}` with
+(schemas/weights/follow.py) `sao_producer_weight_last_seconds{phase=fetch|load|pause|lag}` with
 their sums `sao_producer_weight_seconds_sum{phase}`, `sao_producer_weight_bytes_sum` and
 `sao_producer_weight_updates_by_source{source}`: the pause is what the engine stopped decoding
 for, apart from fetching and rebuilding the update. Labelled
@@ -82,7 +82,7 @@ def weight_update_gauges(registry: CollectorRegistry, prefix: str, subscriber) -
     `{prefix}_weight_updates_by_source{source=inline|file|collective}`."""
     last = Gauge(f"{prefix}_weight_last_seconds", "The last weight update, by phase", ["phase"], registry=registry)
     total = Gauge(f"{prefix}_weight_seconds_sum", "All weight updates, by phase", ["phase"], registry=registry)
-    for phase in ("fetch", "write", "load", "pause", "lag"):
+    for phase in ("fetch", "load", "pause", "lag"):
         last.labels(phase).set_function(lambda k=f"{phase}_s": subscriber.last.get(k, float("nan")))
         if phase != "lag":
             total.labels(phase).set_function(lambda k=f"{phase}_s": subscriber.totals[k])

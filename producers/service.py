@@ -25,7 +25,7 @@ SIGTERM or SIGINT stops taking prompts; the episodes in flight get `--drain-s` s
 and be delivered, the rest are abandoned unpublished (a hanging env step included: it runs in a
 daemon thread, schemas/boundary.py), the delivered prefix is committed, and the consumer leaves
 the group, handing its partitions, and the abandoned prompts, to the others at once: the process
-is gone within `--drain-s` plus a few seconds. Weights follow `sao.weights` in a background thread (producers/weights.py); the generator
+is gone within `--drain-s` plus a few seconds. Weights follow `sao.weights` in a background thread (schemas/weights/follow.py); the generator
 swaps them between decode steps of its running batch. Metrics: Prometheus on `--metrics-port`,
 and a log line every `--log-every-s`.
 """
@@ -46,27 +46,28 @@ from typing import Literal, Protocol
 
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
-from schemas.boundary import Bounds, call
 from producers.envs import build_env, check_env, env_factory, env_mixture, takes
-from producers.envs.text import TextEnv
 from producers.envs.chat import Chat
+from producers.envs.text import TextEnv
 from producers.episode import Player
 from producers.generate.base import Generator, SamplingParams
 from producers.generate.sim import SimConfig
 from producers.generate.vllm import VLLMConfig
 from producers.metrics import ProducerMetrics
 from producers.offsets import OffsetCommitter
-from producers.scoring import scorer
 from producers.sandbox import Sandbox, SandboxConfig
-from producers.weights import FollowConfig, WeightSubscriber, learner_store
+from producers.scoring import scorer
 from schemas import topics as T
+from schemas.boundary import Bounds, call
+from schemas.weights.announcements import learner_store
+from schemas.weights.follow import FollowConfig, WeightSubscriber
 from schemas.kafka import (KafkaConfig, acknowledged, consumer_error, dead_letter, decode_or_dead_letter,
                            ensure_topics, make_consumer, make_producer)
+from schemas.config import ConfigError
+from schemas.messages import DEFAULT_LIMITS, Prompt, SchemaError, Trajectory
+from schemas.models import FROM_LEARNER, check_model
 from schemas.process import stop_on_signals
 from schemas.progress import Backpressure
-from schemas.config import ConfigError
-from schemas.models import FROM_LEARNER, check_model
-from schemas.messages import DEFAULT_LIMITS, Prompt, SchemaError, Trajectory
 from schemas.retry import transient
 
 log = logging.getLogger(__name__)

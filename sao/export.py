@@ -4,7 +4,7 @@ The weights come from where a run keeps them, exactly as they were at that versi
 
 - the weight store and `sao.weights` (default): the version's anchor and the deltas after it,
   rebuilt and verified against the announced digest as a producer rebuilds them
-  (producers/updates.py), in the dtype they were published in (`--weights.dtype` of the learner;
+  (schemas/weights/chain.py), in the dtype they were published in (`--weights.dtype` of the learner;
   float32 for the learner's exact weights);
 - a learner checkpoint (`--checkpoint`: a `step…` folder, or the learner's run dir for its newest):
   the policy's float32 master weights at the version the checkpoint holds, read from its DCP
@@ -74,9 +74,9 @@ def from_weights(kafka: KafkaConfig, version: int = -1, trusted: dict | None = N
     """Version `version` (-1: the newest) rebuilt from `sao.weights` and the store its
     announcements name, verified link by link and against its digest (and with `trusted` keys,
     from announcements the learner signed only)."""
-    from producers.updates import WeightsError, local_path, plan, rebuild
-    from producers.weights import decode_announcement, read_backlog, weights_reader
-    from schemas import weights as W
+    from schemas.weights.chain import WeightsError, local_path, plan, rebuild
+    from schemas.weights.announcements import decode_announcement, read_backlog, weights_reader
+    from schemas.weights import payload as W
 
     consumer = weights_reader(kafka)
     try:
@@ -142,8 +142,8 @@ def _described(store: Path) -> dict:
 
 def merged_and_adapters(policy: Policy) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(the plain weights a model folder holds, the LoRA adapters alone: {} without LoRA)."""
-    from producers.updates import merged
-    from schemas import weights as W
+    from schemas.weights.chain import merged
+    from schemas.weights import payload as W
 
     adapters = {k: t for k, t in policy.tensors.items() if ".lora_A." in k or ".lora_B." in k}
     if not adapters:

@@ -35,9 +35,9 @@ from sao.broker import BrokerConfig, EmbeddedBroker, cluster, embedded_unless_na
 from sao.dashboard import Dashboard
 from sao.supervisor import Supervisor
 from schemas.config import ConfigError
-from schemas.signing import PRIVATE_FILE, PUBLIC_FILE, create_keys, load_trusted
 from schemas.kafka import KafkaConfig, ensure_topics
 from schemas.process import stop_on_signals
+from schemas.signing import PRIVATE_FILE, PUBLIC_FILE, create_keys, load_trusted
 
 
 @dataclass(kw_only=True)
@@ -195,7 +195,7 @@ def last_evaluation(cfg: UpConfig, sup: Supervisor, dash: Dashboard) -> None:
 
 def export_final(cfg: UpConfig) -> None:
     """The newest version as a transformers folder in <run-dir>/model, and where it is."""
-    from producers.updates import WeightsError
+    from schemas.weights.chain import WeightsError
     from sao.export import from_weights, write
 
     try:

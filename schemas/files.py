@@ -1,8 +1,10 @@
-"""Files written whole or not at all: the one write-to-a-temporary-name-then-rename of the project."""
+"""Files written whole or not at all (the one write-to-a-temporary-name-then-rename of the project),
+and the numbered files and folders the stores keep."""
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -38,3 +40,10 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def numbered(root: Path, pattern: str) -> list[tuple[int, Path]]:
+    """(number, path) of each entry of `root` whose name matches `pattern` whole (its group 1 the
+    number), in order of number."""
+    rx = re.compile(pattern)
+    return sorted((int(m.group(1)), p) for p in root.iterdir() if (m := rx.fullmatch(p.name)))

@@ -259,7 +259,7 @@ class Reward(_Message):
 @dataclass(kw_only=True, eq=False)
 class Weights(_Message):
     """Announcement of a new policy version: an anchor (`base` -1, the whole state) or a delta onto
-    version `base`, its payload (schemas/weights.py) at `uri` or inline in `payload`, and the
+    version `base`, its payload (schemas/weights/payload.py) at `uri` or inline in `payload`, and the
     `digest` of the state it results in (what every receiver checks, whatever carried the bytes)."""
 
     kind: ClassVar[str] = "weights"

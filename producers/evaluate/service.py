@@ -40,13 +40,12 @@ from producers.evaluate.scores import headline
 from producers.evaluate.suite import Suite, figures
 from producers.evaluate.versions import Versions, due, final
 from producers.feeder.datasets import load_rows
-from producers.generate.base import ArchitectureMismatch, SamplingParams
+from producers.generate.base import SamplingParams
+from schemas.weights.engine import ArchitectureMismatch
 from producers.generate.vllm import VLLMConfig
 from producers.heldout import evaluation_tasks, held_out, split_frac
 from producers.sandbox import SandboxConfig
 from producers.service import choose_backend, env_bounds, learner_generator, make_parts
-from producers.updates import WeightsError
-from producers.weights import learner_store
 from schemas import topics as T
 from schemas.config import ConfigError
 from schemas.kafka import KafkaConfig, ensure_topics, make_consumer, make_producer, produce_and_wait, read_ranges
@@ -54,6 +53,8 @@ from schemas.messages import Evaluation, SchemaError
 from schemas.process import stop_on_signals
 from schemas.retry import retrying
 from schemas.signing import load_trusted
+from schemas.weights.announcements import learner_store
+from schemas.weights.chain import WeightsError
 
 log = logging.getLogger(__name__)
 

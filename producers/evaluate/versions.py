@@ -13,17 +13,14 @@ done; the engine labels every token with that version, which the service checks.
 from __future__ import annotations
 
 import logging
-import shutil
-import tempfile
 import threading
 from collections.abc import Collection
-from pathlib import Path
 
-from producers.generate.base import Generator
-from producers.updates import Rebuilt, WeightsError, plan, rebuild, write_full
-from producers.weights import decode_announcement, prune, read_backlog, weights_reader
 from schemas.kafka import KafkaConfig
 from schemas.messages import Weights
+from schemas.weights.announcements import decode_announcement, read_backlog, weights_reader
+from schemas.weights.chain import Rebuilt, WeightsError, engine_state, plan, prune, rebuild
+from schemas.weights.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +44,7 @@ class Versions:
     """The announcements on `sao.weights` (from the `keep_anchors`-th newest anchor on) and one
     version held in `generator`, loaded on request."""
 
-    def __init__(self, kafka: KafkaConfig, generator: Generator, *, keep_anchors: int = 2, poll_s: float = 0.2,
+    def __init__(self, kafka: KafkaConfig, generator: Engine, *, keep_anchors: int = 2, poll_s: float = 0.2,
                  trusted: dict | None = None):
         self.generator, self.keep_anchors, self.poll_s, self.trusted = generator, keep_anchors, poll_s, trusted
         self.refused: dict[str, int] = {}  # announcements not acted on, by why (invalid, unsigned, forged, ...)
@@ -56,7 +53,6 @@ class Versions:
         self.history = read_backlog(self._consumer, keep_anchors, self._decode, self._stop, poll_s)
         self.first = min((w.version for w in self.history), default=None)
         self._held: Rebuilt | None = None
-        self._scratch = Path(tempfile.mkdtemp(prefix="sao-eval-weights-"))
 
     @property
     def announced(self) -> set[int]:
@@ -89,15 +85,7 @@ class Versions:
         state, failed, error = rebuild(chain, held)
         if failed is not None:
             raise WeightsError(f"version {version}: {error}")
-        path = write_full(state, self._scratch)
-        try:
-            self.generator.load_weights(str(path), version)
-        except BaseException:
-            path.unlink(missing_ok=True)
-            raise
-        for old in self._scratch.glob("v*.safetensors"):  # the engine's last good file stays: vLLM reloads
-            if old != path:  # it if a later load fails part-way
-                old.unlink(missing_ok=True)
+        self.generator.load_state(engine_state(state), version)
         self._held = state
         return chain[-1]
 
@@ -110,4 +98,3 @@ class Versions:
     def close(self) -> None:
         self._stop.set()
         self._consumer.close()
-        shutil.rmtree(self._scratch, ignore_errors=True)

@@ -7,8 +7,8 @@ call; `versions` records where.
 
 `generate` is a coroutine: a producer keeps many episodes in flight on one event loop, and every
 backend serves concurrent calls together (vLLM's AsyncLLM natively, the http backend through an
-async client, the hf backend by batching the decode steps of the calls in flight). `load_weights`
-is a plain call, made from the weights thread.
+async client, the hf backend by batching the decode steps of the calls in flight). Loading weights
+(`load_state`, `load_weights`) is a plain call, made from the weights thread.
 """
 
 from __future__ import annotations
@@ -102,20 +102,16 @@ class Generation:
     timing: dict[str, float] = field(default_factory=dict)
 
 
-class ArchitectureMismatch(ValueError):
-    """A weights file that is not this generator's model (other names or shapes): no later version
-    will fit either, so the producer must stop rather than sample forever with stale weights."""
-
-
 class Generator(Protocol):
+    """A sampling engine. Its weights follow the learner through the weight protocol: the
+    in-process backends (hf, vllm, sim) are `schemas.weights.engine.Engine`s, loaded in memory;
+    the http backend is a `RemoteEngine`, whose server reads the learner's store itself."""
+
     @property
     def version(self) -> int:
         """Weight version currently loaded (0 = the initial checkpoint)."""
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation: ...
-
-    def load_weights(self, path: str, version: int) -> None:
-        """Swap in a safetensors file of the policy's full state dict, between decode steps."""
 
 
 def check_request(prompt_ids: Sequence[int], vocab_size: int | None = None) -> None:

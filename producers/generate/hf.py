@@ -8,8 +8,8 @@ gets its own position ids, so a row's logits are those of its own sequence alone
 the importance ratio depends on, tested against a full forward). On CPU, where a forward of
 B rows costs far less than B forwards, throughput rises with the number of requests in flight.
 
-Weights may change between any two decode steps: each step holds `_step_lock`; `load_weights`
-reads and checks the file without it, queues the swap, and the swap happens at the next step
+Weights may change between any two decode steps: each step holds `_step_lock`; `load_state`
+checks the tensors without it (`load_weights` reads a file first), queues the swap, and the swap happens at the next step
 boundary, in place (`load_state_dict` copies into the live parameters). What the engine is paused
 for is that copy alone (`last_pause_s`), not the read. Every token records the version that
 sampled it. The KV cache built under the old weights is kept across a swap, as asynchronous
@@ -24,17 +24,17 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import DynamicCache
 
-from producers.generate.base import ArchitectureMismatch, Generation, SamplingParams, check_request
+from producers.generate.base import Generation, SamplingParams, check_request
+from schemas.weights.engine import ArchitectureMismatch
 
 
 def truncate(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -112,7 +112,7 @@ class HFGenerator:
         self.last_pause_s = float("nan")  # decoding stopped for the last swap
         self._step_lock = threading.Lock()  # held for one engine step, or one weight swap
         self._pending_lock = threading.Lock()  # guards _pending only; never waits on a step
-        self._pending: tuple[dict[str, torch.Tensor], int] | None = None
+        self._pending: tuple[Mapping[str, torch.Tensor], int] | None = None
         self._rng = torch.Generator(device=self.device).manual_seed(seed)
         self._waiting: list[_Request] = []
         self._wake = threading.Condition()
@@ -126,30 +126,28 @@ class HFGenerator:
     def version(self) -> int:
         return self._version
 
-    def load_weights(self, path: str, version: int) -> None:
-        """Queue a safetensors state dict as `version`; returns once it is live. Raises
-        ValueError, keeping the old weights, on an older version or a mismatching file."""
-        state = load_file(path, device=str(self.device))
-        self._check_shapes({k: tuple(v.shape) for k, v in state.items()}, path)
+    def load_state(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        """Queue a full state dict as `version` (schemas.weights.engine.Engine); returns once it is
+        live. Raises, keeping the old weights, on an older version or another model's tensors."""
+        self.check_shapes({k: tuple(v.shape) for k, v in tensors.items()})
         with self._pending_lock:
             newest = max(self._version, self._pending[1] if self._pending else -1)
             if version < newest:
                 raise ValueError(f"version {version} is older than {newest}")
-            self._pending = (state, version)
+            self._pending = (tensors, version)
         with self._step_lock:  # the next step boundary; the engine may get there first
             self._apply_pending()
 
-    def check_weights(self, path: str) -> None:
-        """Raise ArchitectureMismatch unless the safetensors file holds this model's tensors
-        (names and shapes, read from its header alone)."""
-        with safe_open(path, framework="pt") as f:
-            self._check_shapes({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}, path)
+    def load_weights(self, path: str, version: int) -> None:
+        """`load_state` of a safetensors file."""
+        self.load_state(load_file(path, device=str(self.device)), version)
 
-    def _check_shapes(self, got: dict[str, tuple[int, ...]], path: str) -> None:
+    def check_shapes(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        """Raise ArchitectureMismatch unless these are this model's tensor names and shapes."""
         expected = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
-        if got != expected:
-            diff = sorted(set(got.items()) ^ set(expected.items()))[:3]
-            raise ArchitectureMismatch(f"{path}: state dict does not match the model, e.g. {diff}")
+        if dict(shapes) != expected:
+            diff = sorted(set(shapes.items()) ^ set(expected.items()))[:3]
+            raise ArchitectureMismatch(f"the state dict does not match the model, e.g. {diff}")
 
     def _apply_pending(self) -> None:
         """Swap in a queued state dict; the caller holds `_step_lock`."""

@@ -9,7 +9,7 @@ token on the event loop's clock and requests do not slow each other (an engine w
 batch room): the producer, Kafka and the learner are what is measured. `ToolLatency` makes
 each environment step that continues an episode take `tool_s`, a stand-in for a tool call.
 
-Weight swaps are exact per token: `load_weights` records when each version went live, and token i
+Weight swaps are exact per token: a load records when each version went live, and token i
 of a request, sampled at `start + (i + 1) · token_s`, carries the version live at that moment.
 """
 
@@ -63,13 +63,20 @@ class SimGenerator:
         self.vocab_size, self.context = cfg.vocab_size, None  # what a request's ids must fit
         self._rng = np.random.default_rng(seed)
         self._swaps: list[tuple[float, int]] = [(-math.inf, version)]  # (monotonic time live, version)
-        self._lock = threading.Lock()  # load_weights comes from the weights thread
+        self._lock = threading.Lock()  # loads come from the weights thread
 
     @property
     def version(self) -> int:
         return self._swaps[-1][1]
 
+    def check_shapes(self, shapes) -> None:
+        """No model: any state fits."""
+
     def load_weights(self, path: str, version: int) -> None:
+        """No weights to read: record when `version` went live."""
+        self.load_state({}, version)
+
+    def load_state(self, tensors, version: int) -> None:
         """No weights to load: record when `version` went live."""
         with self._lock:
             if version < self.version:

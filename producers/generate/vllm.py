@@ -7,17 +7,20 @@ is `log_softmax(logits / T)` of the sampled token, the distribution actually sam
 the engine computes in float32 by default (`--vllm.dtype`): its log-probs then equal the learner's
 float32 forward within 4e-5, where bf16 activations are up to 0.38 off (docs/vllm.md §4.2).
 
-Weight swaps, in place, between decode steps: every worker stages the file in a thread while the
-engine decodes on (`collective_rpc("stage_file", path)`, polled with `"staged"`: on CPU that loads
-and re-packs a shadow of the model), then `pause_generation(mode="keep")` freezes the requests in
-flight → `collective_rpc("apply_staged")` puts the staged weights in (`WorkerExtension`: the
-shadow's kernels on CPU, vLLM's layerwise reload on GPU) → `reset_prefix_cache(reset_running_requests=True)`
-re-prefills the frozen requests under the new weights → `update_weight_version` labels what
-follows → `resume_generation()`, in `finally`. vLLM's own `weight_versions` spans then say which
-version sampled each token. What the engine was paused for is measured per swap (`last_pause_s`),
-apart from reading and checking the file. A file that is not this model's (other names or shapes,
-read from its header) is refused before the engine is touched; a reload that fails part-way
-reloads the last good file, so the engine never serves a half-updated model.
+Weight swaps, in place, between decode steps: every worker stages the new weights in a thread
+while the engine decodes on (`collective_rpc("stage_bytes", ...)` for a state handed over in
+memory, `load_state`, which is how the weight follower loads every update: no file is written;
+`collective_rpc("stage_file", path)` for a file or folder the workers read themselves; polled with
+`"staged"`; on CPU staging loads and re-packs a shadow of the model), then
+`pause_generation(mode="keep")` freezes the requests in flight → `collective_rpc("apply_staged")`
+puts the staged weights in (`WorkerExtension`: the shadow's kernels on CPU, vLLM's layerwise reload
+on GPU) → `reset_prefix_cache(reset_running_requests=True)` re-prefills the frozen requests under
+the new weights → `update_weight_version` labels what follows → `resume_generation()`, in
+`finally`. vLLM's own `weight_versions` spans then say which version sampled each token. What the
+engine was paused for is measured per swap (`last_pause_s`), apart from handing over and staging.
+Weights that are not this model's (other names or shapes) are refused before the engine is
+touched; a reload that fails part-way reloads the last good weights, so the engine never serves a
+half-updated model.
 
 On CPU the environment vLLM reads is set before it is imported (`cpu_environment`), and a model
 whose attention head size the CPU kernels lack is refused at start with the sizes they have.
@@ -39,17 +42,20 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
+import safetensors.torch
+import torch
 
-from producers.generate.base import ArchitectureMismatch, Generation, SamplingParams, check_request, exact_sampling
+from producers.generate.base import Generation, SamplingParams, check_request, exact_sampling
 from producers.generate.http import STAGE_POLL_S, InvalidGeneration, versions_from
 from schemas.config import ConfigError
 from schemas.process import cpu_flags
+from schemas.weights.engine import ArchitectureMismatch
 
 log = logging.getLogger(__name__)
 
@@ -159,11 +165,14 @@ def extract(output) -> tuple[np.ndarray, np.ndarray, list, str]:
     return np.array(tokens, np.int32), np.array(logprobs, np.float32), c.weight_versions, c.finish_reason
 
 
-async def swap(engine, path: str, version: int) -> float:
-    """Stage the file on every worker while the engine decodes on, then pause (keep) → apply what
-    was staged → reset the prefix cache → label the version → resume; returns the seconds the
-    engine was paused."""
-    await engine.collective_rpc("stage_file", args=(path,))
+async def swap(engine, weights: str | Mapping[str, torch.Tensor], version: int) -> float:
+    """Stage `weights` (a file or folder, or a state in memory) on every worker while the engine
+    decodes on, then pause (keep) → apply what was staged → reset the prefix cache → label the
+    version → resume; returns the seconds the engine was paused."""
+    if isinstance(weights, str):
+        await engine.collective_rpc("stage_file", args=(weights,))
+    else:  # collective_rpc's arguments are plain data: the tensors go as safetensors bytes, in memory
+        await engine.collective_rpc("stage_bytes", args=(state_bytes(weights),))
     while not all(r["done"] for r in await engine.collective_rpc("staged")):
         await asyncio.sleep(STAGE_POLL_S)
     t0 = time.perf_counter()
@@ -175,6 +184,17 @@ async def swap(engine, path: str, version: int) -> float:
     finally:
         await engine.resume_generation()  # never leave the engine paused
     return time.perf_counter() - t0
+
+
+def state_bytes(tensors: Mapping[str, torch.Tensor]) -> bytes:
+    """`tensors` as the bytes of a safetensors file, in memory. A tied head shares its embedding's
+    storage, which safetensors refuses to write twice: a name whose storage came before is copied."""
+    seen, plain = set(), {}
+    for name, t in tensors.items():
+        shared = t.untyped_storage().data_ptr() in seen
+        seen.add(t.untyped_storage().data_ptr())
+        plain[name] = t.clone() if shared else t.contiguous()
+    return safetensors.torch.save(plain)
 
 
 SHADOW = "sao_shadow"
@@ -213,20 +233,29 @@ class WorkerExtension:
     def stage_file(self, path: str) -> None:
         """Start staging a safetensors file, or every one of a folder's, in a thread; `staged` says
         when it is done. On CPU a worker without a shadow (`vllm serve`) builds it first."""
+        from safetensors.torch import load_file
+
+        self._start_staging(lambda: {k: v for f in safetensors_files(path) for k, v in load_file(f).items()})
+
+    def stage_bytes(self, data: bytes) -> None:
+        """`stage_file` of a state handed over in memory, as the bytes of a safetensors file."""
+        from safetensors.torch import load
+
+        self._start_staging(lambda: load(data))
+
+    def _start_staging(self, read: Callable[[], dict]) -> None:
         import torch
 
         if not torch.cuda.is_available() and getattr(self, "_shadow", None) is None:
             self.make_shadow()
         self._staged, self._stage_error = None, None
-        self._stager = threading.Thread(target=self._stage, args=(path,), name="sao-stage", daemon=True)
+        self._stager = threading.Thread(target=self._stage, args=(read,), name="sao-stage", daemon=True)
         self._stager.start()
 
-    def _stage(self, path: str) -> None:
-        from safetensors.torch import load_file
-
+    def _stage(self, read: Callable[[], dict]) -> None:
         shadow = getattr(self, "_shadow", None)
         try:
-            state = {k: v for f in safetensors_files(path) for k, v in load_file(f).items()}  # HF names
+            state = read()  # HF names
             self._staged = state if shadow is None else reload_into(self.model_runner.vllm_config, shadow, state)
         except BaseException as e:  # raised to the caller by `staged`
             self._stage_error = e
@@ -430,25 +459,33 @@ class VLLMGenerator:
     def version(self) -> int:
         return self._version
 
-    def check_weights(self, path: str) -> None:
-        """Raise ArchitectureMismatch unless the file holds this model's tensors (names and shapes)."""
-        if self._expected is not None and (diff := mismatch(self._expected, header_shapes(path), self._tied)):
-            raise ArchitectureMismatch(f"{path}: tensors do not match the engine's model, e.g. {diff}")
+    def check_shapes(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        """Raise ArchitectureMismatch unless these are this model's tensors (names and shapes)."""
+        if self._expected is not None and (diff := mismatch(self._expected, dict(shapes), self._tied)):
+            raise ArchitectureMismatch(f"tensors do not match the engine's model, e.g. {diff}")
+
+    def load_state(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        """Swap the state `tensors` in as `version`, in place, from memory (schemas.weights.engine.Engine);
+        raises, still serving the old weights, on an older version, another architecture, or a
+        failed reload (the last good weights are reloaded)."""
+        self._load(tensors, {k: tuple(t.shape) for k, t in tensors.items()}, version)
 
     def load_weights(self, path: str, version: int) -> None:
-        """Swap `path` in as `version`, in place; raises, still serving the old weights, on an older
-        version, another architecture, or a failed reload (the last good file is reloaded)."""
+        """`load_state` of a safetensors file or folder, which the workers read themselves."""
+        self._load(path, header_shapes(path), version)
+
+    def _load(self, weights: str | Mapping[str, torch.Tensor], shapes: dict, version: int) -> None:
         if version < self._version:
             raise ValueError(f"version {version} is older than {self._version}")
-        self.check_weights(path)
+        self.check_shapes(shapes)
         try:
-            self.last_pause_s = self._call(swap(self.engine, path, version))
+            self.last_pause_s = self._call(swap(self.engine, weights, version))
         except Exception:
             if self._good is not None:  # part of the model may hold the new weights: back to whole old ones
                 self._call(swap(self.engine, self._good, self._version))
             raise
-        self._version, self._good = version, path
-        self._expected = self._expected or header_shapes(path)
+        self._version, self._good = version, weights  # held, not copied: the follower's state stays whole
+        self._expected = self._expected or shapes
 
     async def _generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         from vllm import SamplingParams as VSamplingParams

@@ -49,10 +49,9 @@ from producers.serve.api import (RequestError, assistant_reply, chat_chunk, chat
 from producers.envs.chat import Chat
 from producers.generate.base import Generation, SamplingParams
 from producers.generate.hf import HFGenerator
+from producers.metrics import weight_update_gauges
 from producers.models import load_model
 from producers.serve.proxy import Sessions, kafka_publisher
-from producers.metrics import weight_update_gauges
-from producers.weights import FollowConfig, WeightSubscriber
 from schemas import topics as T
 from schemas.config import ConfigError
 from schemas.http import Guard, HttpConfig, Server, check_exposure
@@ -60,6 +59,7 @@ from schemas.kafka import KafkaConfig, ensure_topics, make_producer
 from schemas.models import check_model
 from schemas.process import stop_on_signals, threadsafe
 from schemas.tokenizers import load_tokenizer
+from schemas.weights.follow import FollowConfig, WeightSubscriber
 
 log = logging.getLogger(__name__)
 

@@ -19,12 +19,12 @@ from producers.envs import make_env
 from producers.episode import play_tasks
 from producers.generate.base import SamplingParams
 from producers.generate.hf import HFGenerator
-from producers.updates import plan, rebuild
 from sao.broker import free_port
 from schemas import topics as T
-from schemas import weights as W
 from schemas.kafka import KafkaConfig, make_consumer
 from schemas.messages import Weights
+from schemas.weights import payload as W
+from schemas.weights.chain import plan, rebuild
 from tests.kafka_util import publish  # noqa: F401 (the learner tests publish through it)
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -58,7 +58,7 @@ def test_sigkill_three_times_with_three_partitions_and_two_producers_trains_each
 # seconds after its save, so the next step is being formed from the stream before that commit.
 SLOW_DISK = """
 import sys, time
-import learner.store as store
+import learner.checkpoint as store
 write = store.Checkpointer._write
 def slow(self, tensors, step, tmp, data, then):
     write(self, tensors, step, tmp, data, lambda: (time.sleep(4), then()))

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from learner.lora import inject
 from learner.logprobs import collate, token_logprobs
+from learner.lora import inject
 from learner.models import ModelConfig, build_models, build_policy, tiny_llama
 from learner.parallel import ParallelConfig, init_distributed
 from learner.update import SAOUpdate, UpdateConfig
@@ -21,10 +21,10 @@ from learner.value import is_attention
 from producers.generate.base import SamplingParams
 from producers.generate.hf import HFGenerator
 from producers.models import load_model
-from producers.updates import fetch
-from producers.weights import WeightSubscriber
-from schemas.messages import Trajectory
 from schemas import topics as T
+from schemas.messages import Trajectory
+from schemas.weights.chain import fetch
+from schemas.weights.follow import WeightSubscriber
 from tests.learner.service_util import ROOT, announcements, final_policy, learner_cmd, ONE_PARTITION, publish, rollouts
 from tests.producers.util import wait_until
 

@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from learner.checkpoint import Checkpointer
 from learner.microbatch import balanced_shares, micro_batches
 from learner.models import ModelConfig, build_models, build_policy
 from learner.parallel import ParallelConfig, decoder_blocks, gather_buckets, init_distributed
-from learner.store import Checkpointer
 from learner.update import SAOUpdate, UpdateConfig
 from sao.broker import free_port
 from schemas.process import native_bf16

@@ -19,9 +19,9 @@ from producers.evaluate.suite import Suite, figures
 from producers.generate.hf import HFGenerator
 from producers.models import load_model
 from schemas import topics as T
-from schemas import weights as W
 from schemas.config import ConfigError
 from schemas.messages import Evaluation, Trajectory, Weights
+from schemas.weights import payload as W
 from tests.producers.util import announce, read_topic, state_of, wait_until
 
 

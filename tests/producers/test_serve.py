@@ -22,11 +22,11 @@ from producers.generate.base import SamplingParams
 from producers.generate.hf import HFGenerator
 from producers.generate.http import HttpGenerator
 from producers.models import load_model
-from schemas.catalogue import TINY_LLAMA, TINY_LLAMA_BYTES
-from schemas.tokenizers import ByteTokenizer, load_tokenizer
 from producers.serve.api import RequestError, parse_request, version_spans
 from producers.serve.service import chat_template, make_server
-from producers.weights import WeightSubscriber
+from schemas.catalogue import TINY_LLAMA, TINY_LLAMA_BYTES
+from schemas.tokenizers import ByteTokenizer, load_tokenizer
+from schemas.weights.follow import WeightSubscriber
 from tests.producers.util import announce, announcement, wait_until, write_weights
 
 T = 0.7  # not 1, so the temperature path is exercised on both sides

@@ -18,11 +18,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from producers.generate.base import ArchitectureMismatch, SamplingParams
+from producers.generate.base import SamplingParams
 from producers.generate.http import InvalidGeneration, versions_from
 from producers.generate.vllm import (VLLMGenerator, engine_processes, extract, mismatch, sampling_kwargs,
                                      threads_bind)
 from schemas.catalogue import TINY_LLAMA, tiny_llama
+from schemas.weights.engine import ArchitectureMismatch
 
 # head size 32: the smallest vLLM's CPU attention kernels serve; tied embeddings, like SmolLM2
 TIED = {**TINY_LLAMA, "hidden_size": 128}
@@ -83,7 +84,7 @@ def test_log_probs_equal_a_float32_forward_and_swaps_keep_them_exact_with_a_tied
     assert gen.version == 0
     out = generate(gen, PROMPTS[0], temperature=0.7)  # the log-probs are of softmax(logits / T)
     assert out.versions.tolist() == [0] * 16 and gap(out, engine.states[0], PROMPTS[0], 0.7) < 1e-4
-    gen.load_weights(str(engine.files[1]), 1)
+    gen.load_state(engine.states[1], 1)  # in memory, as the weight follower hands over every update
     after = generate(gen, PROMPTS[0])
     assert after.versions.tolist() == [1] * 16
     # the tied output head was re-packed: a stale head would be off by far more than this
@@ -165,8 +166,11 @@ def test_a_file_of_another_architecture_is_refused_and_the_old_weights_serve_on(
 
 def test_a_file_that_fails_while_staged_leaves_the_old_weights_serving(engine):
     """The header is this model's, the data is cut short: staging (on CPU, the shadow's reload)
-    fails while the engine decodes on, the swap raises, and the live weights never changed."""
-    gen, version = engine.gen, engine.gen.version
+    fails while the engine decodes on, the swap raises, and the live weights never changed (the
+    last good weights, here a state handed over in memory, are staged again)."""
+    gen = engine.gen
+    gen.load_state(engine.states[2], gen.version + 1)
+    version = gen.version
     before = generate(gen, PROMPTS[2])
     whole = engine.files[1].read_bytes()
     (engine.root / "cut.safetensors").write_bytes(whole[:len(whole) - 4096])

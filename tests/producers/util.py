@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 
 from schemas import topics as T
-from schemas import weights as W
 from schemas.kafka import KafkaConfig
 from schemas.messages import Prompt, Weights
+from schemas.weights import payload as W
 from tests.kafka_util import REPO, producer_process, publish, read_topic, wait_until  # noqa: F401 (re-exported)
 
 

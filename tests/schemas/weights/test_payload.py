@@ -12,8 +12,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 from safetensors.torch import load
 
-from schemas import weights as W
 from schemas.messages import SchemaError
+from schemas.weights import payload as W
 
 
 def bf16(*values: float) -> W.Tensor:

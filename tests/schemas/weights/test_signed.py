@@ -12,18 +12,19 @@ import dataclasses
 
 import pytest
 
-from learner.publish import Publisher, WeightsConfig, announcer
-from learner.store import WeightStore
 from producers.generate.base import SamplingParams
 from producers.generate.hf import HFGenerator
 from producers.models import load_model
-from producers.weights import FollowConfig, WeightSubscriber
 from schemas import topics as T
-from schemas import weights as W
 from schemas.config import ConfigError
 from schemas.kafka import make_producer
 from schemas.messages import Weights
 from schemas.signing import create_keys, load_signer, load_trusted, refusal
+from schemas.weights import payload as W
+from schemas.weights.announcements import announcer
+from schemas.weights.follow import FollowConfig, WeightSubscriber
+from schemas.weights.publish import Publisher, WeightsConfig
+from schemas.weights.store import WeightStore
 from tests.learner.service_util import announcements
 from tests.producers.util import wait_until
 

@@ -1,16 +1,11 @@
-"""Durable files of the learner: the weight store producers load from, and training checkpoints.
-
-Both write atomically (temporary file or folder, fsync, rename, fsync of the parent), so a reader
-or a restart sees a whole one or none, and both keep only the last K. Weight payloads (anchors and
-deltas, schemas/weights.py) are written by the publisher's thread; checkpoints are sharded per
-rank and written off the training thread.
+"""Training checkpoints: sharded per rank, written off the training thread, atomically (temporary
+folder, fsync, rename, fsync of the parent), so a restart sees a whole one or none; the last K kept.
+(The weight store producers load from is part of the weight protocol: schemas/weights/store.py.)
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import shutil
 import threading
 from collections.abc import Callable
@@ -21,63 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from schemas.files import atomic_file, fsync_dir
-from schemas.weights import Payload
-
-
-def _numbered(root: Path, pattern: str) -> list[tuple[int, Path]]:
-    rx = re.compile(pattern)
-    return sorted((int(m.group(1)), p) for p in root.iterdir() if (m := rx.fullmatch(p.name)))
-
-
-class WeightStore:
-    """Payload files of the policy: `v{version:08d}.safetensors` anchors and
-    `v{version:08d}.delta.safetensors` deltas (updates small enough travel inline and have none).
-    Keeps the last `keep` anchors and every file after the oldest of them, so a late producer
-    finds an anchor and the chain after it."""
-
-    def __init__(self, root: Path, keep: int = 3):
-        self.root, self.keep = Path(root), keep
-        self.root.mkdir(parents=True, exist_ok=True)
-
-    def save(self, version: int, payload: Payload) -> Path:
-        """Write `payload` as version `version`, atomically; returns its path."""
-        path = self.root / f"v{version:08d}{'' if payload.base < 0 else '.delta'}.safetensors"
-
-        def write(tmp: Path) -> None:
-            with open(tmp, "wb") as f:
-                payload.write(f)
-
-        atomic_file(path, write)
-        self._prune()
-        return path
-
-    def newest(self) -> int:
-        """The highest version in the store, -1 if it holds none."""
-        found = self._versions()
-        return found[-1][0] if found else -1
-
-    def describe(self, config, model: str, lora=None) -> None:
-        """Write what producers started with `--model learner` build before loading a version:
-        `config.json` (the architecture) and `model.json` (the `--model.name` whose tokenizer
-        they load, and the LoRA rank and alpha `sao export` writes an adapter with). Written at
-        every start, so the store always describes the model it holds. The weights are plain
-        float32/bf16 tensors, so a GGUF source's quantization_config is left out."""
-        fields = {k: v for k, v in json.loads(config.to_json_string()).items() if k != "quantization_config"}
-        described = {"name": model} | ({"lora": {"rank": lora.rank, "alpha": lora.alpha}} if lora else {})
-        atomic_file(self.root / "config.json", lambda tmp: tmp.write_text(json.dumps(fields, indent=2)))
-        atomic_file(self.root / "model.json", lambda tmp: tmp.write_text(json.dumps(described)))
-
-    def _versions(self) -> list[tuple[int, Path]]:
-        return _numbered(self.root, r"v(\d+)(?:\.delta)?\.safetensors")
-
-    def _prune(self) -> None:
-        anchors = _numbered(self.root, r"v(\d+)\.safetensors")
-        if len(anchors) > self.keep:
-            oldest_kept = anchors[-self.keep][0]
-            for version, path in self._versions():
-                if version < oldest_kept:
-                    path.unlink(missing_ok=True)
+from schemas.files import atomic_file, fsync_dir, numbered
 
 
 def split_tensors(state: dict) -> tuple[dict, dict]:
@@ -150,7 +89,7 @@ class Checkpointer:
             shutil.rmtree(final, ignore_errors=True)  # a replay after a crash wrote it already
             os.replace(tmp, final)
             fsync_dir(self.root)
-            for _, old in _numbered(self.root, r"step(\d+)")[:-self.keep]:
+            for _, old in numbered(self.root, r"step(\d+)")[:-self.keep]:
                 shutil.rmtree(old, ignore_errors=True)
             then()
         except BaseException as e:  # re-raised in the training thread by the next wait()
@@ -166,7 +105,7 @@ class Checkpointer:
             raise RuntimeError("checkpoint write failed") from error
 
     def latest(self) -> Path | None:
-        found = _numbered(self.root, r"step(\d+)") if self.root.is_dir() else []
+        found = numbered(self.root, r"step(\d+)") if self.root.is_dir() else []
         return found[-1][1] if found else None
 
     @staticmethod

@@ -2,9 +2,9 @@
 
 The training thread only snapshots the policy (gathered a bucket at a time, copied to the host in
 the published dtype: `snapshot`) and hands it to the `Publisher`, whose own thread encodes it
-(schemas/weights.py: an anchor, or a delta against the version it published last), writes it to
+(schemas/weights/payload.py: an anchor, or a delta against the version it published last), writes it to
 the weight store or puts it inline, announces it on `sao.weights`, and, with the collective
-transport, broadcasts it to the engines linked to this learner (schemas/collective.py). At most
+transport, broadcasts it to the engines linked to this learner (schemas/weights/collective.py). At most
 one publication is in flight and one queued; a newer snapshot supersedes the queued one (versions
 only increase, so a producer never misses anything it could still use). An anchor is published
 at start, every `--weights.anchor-every` versions, and on request: `request_anchor`, which
@@ -29,17 +29,15 @@ from typing import Literal
 
 import torch
 from confluent_kafka import TopicPartition
-from torch import nn
 
-from learner.parallel import gather_buckets
-from learner.store import WeightStore
 from schemas import topics as T
-from schemas import weights as W
 from schemas.config import ConfigError
-from schemas.kafka import KafkaConfig, consumer_error, make_consumer, produce_and_wait, read_ranges
+from schemas.kafka import KafkaConfig, consumer_error, make_consumer
 from schemas.messages import AnchorRequest, SchemaError, Weights
 from schemas.retry import retrying
 from schemas.signing import load_signer
+from schemas.weights import payload as W
+from schemas.weights.store import WeightStore
 
 log = logging.getLogger(__name__)
 
@@ -84,46 +82,6 @@ class WeightsConfig:
         if self.collective_timeout_s <= 0:
             raise ConfigError("--weights.collective-timeout-s must be > 0")
         self.signer = load_signer(Path(self.signing_key)) if self.signing_key else None  # a bad key: at start
-
-
-def snapshot(model: nn.Module, dtype: torch.dtype, bucket_bytes: int,
-             rename: Callable[[str], str] = lambda name: name) -> W.State:
-    """Rank 0: the policy's full state in `dtype` on the host, named by `rename`; {} on the other
-    ranks. A collective (every rank gathers each tensor)."""
-    return {rename(name): W.from_torch(t) for bucket in gather_buckets(model, dtype, bucket_bytes) for name, t in bucket}
-
-
-def announcer(producer, topic: str, timeout_s: float = 60.0) -> Callable[[Weights], None]:
-    """Produce an announcement and return once the broker has it; raise if it does not."""
-    def announce(w: Weights) -> None:
-        try:
-            err = produce_and_wait(producer, topic, w.encode(), w.key, timeout=timeout_s)
-        except TimeoutError as e:
-            err = e
-        if err is not None:
-            raise RuntimeError(f"weights announcement v{w.version} not delivered within {timeout_s} s: {err}")
-    return announce
-
-
-def newest_announced(kafka: KafkaConfig, tail: int = 16) -> int:
-    """The highest version among the last `tail` announcements on sao.weights, -1 if none: versions
-    only increase along the topic, so this is the newest any producer may hold."""
-    consumer = make_consumer(kafka, f"{kafka.topic_prefix}-versions-{uuid.uuid4().hex}")
-    try:
-        tp = TopicPartition(kafka.topic(T.WEIGHTS), 0)
-        low, high = retrying(lambda: consumer.get_watermark_offsets(tp, timeout=5, cached=False))
-        newest = -1
-        try:
-            for msg in read_ranges(consumer, tp.topic, {0: (max(low, high - tail), high)}, timeout=30):
-                try:
-                    newest = max(newest, Weights.decode(msg.value() or b"").version)
-                except SchemaError:
-                    pass  # not an announcement this learner can read: it names no version
-        except TimeoutError as e:
-            log.warning("newest announced version: %s; going by version %d", e, newest)
-        return newest
-    finally:
-        consumer.close()
 
 
 class Publisher:

@@ -1,5 +1,6 @@
-"""From announcements to a verified state: which updates to apply (`plan`), reading one (`fetch`),
-applying a chain onto a held state (`rebuild`), and the full file an engine loads (`write_full`).
+"""From announcements to a verified state: which updates to apply (`plan`, over the history `prune`
+keeps), reading one (`fetch`), applying a chain onto a held state (`rebuild`), and the tensors an
+engine loads (`engine_state`).
 
 A delta applies only onto its base version; every resulting tensor is checked against the
 checksum its payload lists, and the whole state against the announcement's `digest`, before
@@ -17,9 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from schemas import weights as W
-from schemas.files import atomic_file
+import torch
+
 from schemas.messages import SchemaError, Weights
+from schemas.weights import payload as W
 
 
 class WeightsError(ValueError):
@@ -54,6 +56,13 @@ def plan(history: list[Weights], held: int, bad: set[int] = frozenset()) -> list
     options = ([chain(held)] if held >= 0 else []) + [[a, *chain(a.version)] for a in by_version.values() if a.base < 0]
     best = max(options, key=lambda c: (c[-1].version if c else held, -len(c)), default=[])
     return best if best and best[-1].version > held else []
+
+
+def prune(history: list[Weights], keep_anchors: int) -> list[Weights]:
+    """`history` from its `keep_anchors`-th newest anchor on: what any chain to a version worth
+    loading can start from."""
+    anchors = [i for i, x in enumerate(history) if x.base < 0]
+    return history[anchors[-keep_anchors]:] if len(anchors) > keep_anchors else history
 
 
 def fetch(w: Weights) -> tuple[W.Payload, dict[str, memoryview]]:
@@ -130,14 +139,8 @@ def merged(state: W.State, scale: float) -> W.State:
     return out
 
 
-def write_full(state: Rebuilt, folder: Path) -> Path:
-    """The full safetensors file an engine loads for `state` (merged if it holds LoRA adapters)."""
+def engine_state(state: Rebuilt) -> dict[str, torch.Tensor]:
+    """The tensors an engine loads for `state` (`Engine.load_state`): its plain weights, merged if
+    it holds LoRA adapters, as torch tensors over the state's own memory where nothing is computed."""
     tensors = merged(state.state, float(state.extra["lora_scale"])) if "lora_scale" in state.extra else state.state
-    path = folder / f"v{state.version:08d}.safetensors"
-    # not fsynced: a file lost to a crash is rebuilt from Kafka and the store
-    def write(tmp: Path) -> None:
-        with open(tmp, "wb") as f:
-            W.anchor(tensors).write(f)
-
-    atomic_file(path, write, durable=False)
-    return path
+    return {name: W.to_torch(t) for name, t in tensors.items()}

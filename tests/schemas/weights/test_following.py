@@ -1,10 +1,10 @@
-"""The weight follower's decisions with no Kafka, files or engine (producers/weights.py `Following`):
+"""The weight follower's decisions with no Kafka, files or engine (schemas/weights/follow.py `Following`):
 what it ignores, which chain it loads, what a failure rules out, when it asks for an anchor."""
 
 from __future__ import annotations
 
-from producers.weights import Following
 from schemas.messages import Weights
+from schemas.weights.follow import Following
 
 
 def w(version: int, base: int = -1) -> Weights:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,11 +19,11 @@ from producers.generate.base import SamplingParams
 from producers.generate.hf import HFGenerator
 from producers.metrics import weight_update_gauges
 from producers.models import load_model
-from producers.weights import WeightSubscriber
 from schemas import topics as T
-from schemas import weights as W
 from schemas.config import ConfigError
 from schemas.messages import Weights
+from schemas.weights import payload as W
+from schemas.weights.follow import WeightSubscriber
 from tests.producers.util import announce, announcement, read_topic, state_of, wait_until, write_weights
 
 PARAMS = SamplingParams(temperature=1.0, max_tokens=12, seed=0)
@@ -100,6 +101,31 @@ def test_a_delta_chain_is_applied_onto_its_base_inline_or_from_files(kafka_cfg, 
             assert same_weights(gen.model, states[v])  # bit-exact: the deltas lose nothing
         assert sub.by_source == {"inline": 2, "file": 1, "collective": 0}
         assert sub.counts["rejected"] == 0 and sub.last["chain"] == 1
+    finally:
+        sub.close()
+
+
+def disk_bytes_written() -> int:
+    """Bytes this process has caused to be written to storage (the kernel counts pages as they are dirtied)."""
+    return int(dict(x.split(": ") for x in Path("/proc/self/io").read_text().splitlines())["write_bytes"])
+
+
+def test_updates_reach_the_engine_in_memory_without_writing_a_file(kafka_cfg, gen, v0, tmp_path):
+    """Inline deltas are applied to the held state and handed to the engine's parameters: the
+    follower writes nothing to disk (it used to write each version whole, then load that file)."""
+    line, states = Line(kafka_cfg, tmp_path, v0), [v0]
+    line.publish(0, v0)
+    sub = subscribe(kafka_cfg, gen)
+    try:
+        before = disk_bytes_written()
+        for v in range(1, 7):
+            states.append(nudged(states[-1], seed=v))
+            line.publish(v, states[v], base=v - 1)
+            wait_until(lambda: gen.version == v)
+        written = disk_bytes_written() - before
+        assert same_weights(gen.model, states[-1]) and sub.by_source["inline"] == 6
+        full = sum(t.bits.nbytes for t in v0.values())
+        assert written < full, f"{written} bytes written to disk for 6 updates of a {full}-byte state"
     finally:
         sub.close()
 

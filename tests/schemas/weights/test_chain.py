@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from hypothesis import given, strategies as st
 
-from producers.updates import merged, plan
-from schemas import weights as W
 from schemas.messages import Weights
+from schemas.weights import payload as W
+from schemas.weights.chain import merged, plan
 
 
 def _w(version: int, base: int = -1) -> Weights:

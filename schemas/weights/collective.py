@@ -39,8 +39,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from schemas import weights as W
 from schemas.config import ConfigError
+from schemas.weights import payload as W
 
 log = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from sao.broker import free_port
-from schemas import collective as C
-from schemas import weights as W
 from schemas.config import ConfigError
+from schemas.weights import collective as C
+from schemas.weights import payload as W
 from tests.producers.util import wait_until
 
 

@@ -12,14 +12,17 @@ import torch.distributed as dist
 
 from learner.models import ModelConfig, build_models, build_policy
 from learner.parallel import ParallelConfig, init_distributed
-from learner.publish import AnchorRequests, Publisher, WeightsConfig, announcer, newest_announced, snapshot
-from learner.store import WeightStore
+from learner.parallel import snapshot
 from producers.generate.hf import HFGenerator
 from producers.models import load_model
-from producers.weights import WeightSubscriber, local_path
 from schemas import topics as T
-from schemas import weights as W
 from schemas.kafka import make_producer
+from schemas.weights import payload as W
+from schemas.weights.announcements import announcer, newest_announced
+from schemas.weights.chain import local_path
+from schemas.weights.follow import WeightSubscriber
+from schemas.weights.publish import AnchorRequests, Publisher, WeightsConfig
+from schemas.weights.store import WeightStore
 from tests.learner.service_util import (ROOT, announcements, as_published, assert_close_state, final_policy,
                                         learner_cmd, metrics, ONE_PARTITION, publish, published, rollouts, run_learner)
 from tests.producers.util import wait_until

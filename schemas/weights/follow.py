@@ -3,20 +3,22 @@
 Every producer and inference server reads the one-partition topic with its own consumer and no
 shared group. At start it reads the topic's tail back to its newest anchors (a window that grows
 until it holds two, so a late start costs the chain, not the history), rebuilds the newest
-version reachable (producers/updates.py: the newest anchor and the deltas after it, falling back
-to older anchors when a link fails) and loads it. After that every announcement is planned the
+version reachable (schemas/weights/chain.py: the newest anchor and the deltas after it, falling
+back to older anchors when a link fails) and loads it. After that every announcement is planned the
 same way: a delta onto the held version is applied to the held state; one onto another version
 (missed, out of order) or one that does not verify is refused, and the newest anchor and its
-chain are loaded instead. Nothing is half-applied: the engine gets one full file of a verified
-state (`generator.load_weights`), swapped between two decode steps, so an episode in flight
-continues on the new weights and its later tokens carry the new version.
+chain are loaded instead. Nothing is half-applied: the engine gets the whole of a verified state,
+in memory (`Engine.load_state`, schemas/weights/engine.py: no file is written, whatever carried the
+update), swapped between two decode steps, so an episode in flight continues on the new weights and
+its later tokens carry the new version. An engine in another process that reads the store itself
+(`RemoteEngine`, the http backend) is handed the newest announcement's uri instead.
 
 Linked to the learner by the collective transport (`--weights.collective-addr`), an update the
-learner broadcasts to this engine arrives over the link instead (schemas/collective.py), verified
+learner broadcasts to this engine arrives over the link instead (schemas/weights/collective.py), verified
 the same way; a link that breaks falls back to the files and inline payloads, and links again.
 
 Each update's figures (`last`, summed in `totals`): `fetch_s` reading, decoding, applying and
-verifying; `write_s` the full file; `load_s` the generator's whole load; `pause_s` what the engine
+verifying; `load_s` the engine's whole load; `pause_s` what the engine
 stopped decoding for (the backend's `last_pause_s`); `lag_s` from the announcement to live.
 A failed update keeps the old weights serving; it is logged and counted (`rejected`). Versions at
 or below the engine's are `ignored`. When the newest version announced is out of reach (a delta
@@ -32,37 +34,27 @@ from __future__ import annotations
 import logging
 import math
 import os
-import shutil
 import socket
-import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
-from confluent_kafka import OFFSET_BEGINNING, TopicPartition
-
-from producers.generate.base import ArchitectureMismatch, Generator
-from producers.updates import Rebuilt, WeightsError, local_path, plan, rebuild, write_full
 from schemas import topics as T
-from schemas import weights as W
-from schemas.collective import Link
 from schemas.config import ConfigError
-from schemas.kafka import KafkaConfig, consumer_error, make_consumer, make_producer, produce_and_wait, read_ranges
-from schemas.messages import AnchorRequest, SchemaError, Weights
-from schemas.retry import retrying
-from schemas.signing import load_trusted, refusal
+from schemas.kafka import KafkaConfig, make_producer, produce_and_wait
+from schemas.messages import AnchorRequest, Weights
+from schemas.signing import load_trusted
+from schemas.weights import payload as W
+from schemas.weights.announcements import decode_announcement, read_backlog, weights_reader
+from schemas.weights.chain import Rebuilt, engine_state, plan, prune, rebuild
+from schemas.weights.collective import Link
+from schemas.weights.engine import ArchitectureMismatch, Engine, RemoteEngine
 
 log = logging.getLogger(__name__)
 
 ANCHOR_ASK_EVERY_S = 10.0
 """Seconds between two anchor requests of one subscriber while the newest version stays out of reach."""
-
-__all__ = ["FollowConfig", "Following", "WeightSubscriber", "WeightsError", "decode_announcement", "learner_store", "local_path",
-           "prune", "read_backlog", "weights_reader"]
-
 
 @dataclass(kw_only=True)
 class FollowConfig:
@@ -75,8 +67,6 @@ class FollowConfig:
     collective_device: str = "cuda"
     """The GPU an NCCL link receives on (a learner on CUDA broadcasts over NCCL; gloo receives on
     the host)."""
-    scratch_dir: str = ""
-    """Folder for the full file handed to the engine at each update (one kept); "": a temporary folder."""
     trusted_keys: str = ""
     """Comma-separated Ed25519 public keys (PEM, `sao keys`) of the learner: an announcement not
     signed by one of them is refused, logged and counted, and the engine keeps its weights (two
@@ -84,88 +74,6 @@ class FollowConfig:
 
     def __post_init__(self):
         self.trusted = load_trusted(self.trusted_keys) if self.trusted_keys else None  # a bad file: at start
-
-
-def weights_reader(kafka: KafkaConfig):
-    """A consumer of `sao.weights` (one partition) from its beginning, in no group of its own
-    that others share: every reader sees every announcement."""
-    consumer = make_consumer(kafka, f"sao-weights-{uuid.uuid4().hex}")
-    consumer.assign([TopicPartition(kafka.topic(T.WEIGHTS), 0, OFFSET_BEGINNING)])
-    return consumer
-
-
-def learner_store(kafka: KafkaConfig, stop: threading.Event, poll_s: float = 0.5,
-                  trusted: dict | None = None) -> Path | None:
-    """The learner's weight store folder, found through its first announcement on `sao.weights`
-    (waiting for one: a producer may start before the learner); None once `stop` is set. The
-    folder holds the `config.json` and `model.json` the learner writes at start (learner/store.py)."""
-    consumer, next_log = weights_reader(kafka), time.monotonic()
-    try:
-        while not stop.is_set():
-            msg = consumer.poll(poll_s)
-            if msg is None or consumer_error(msg):
-                if time.monotonic() >= next_log:
-                    log.info("--model learner: waiting for the learner's first weights on %s", kafka.topic(T.WEIGHTS))
-                    next_log += 30
-                continue
-            w, refused = decode_announcement(msg, trusted)  # with trusted keys, only the learner names its store
-            if w is None:
-                continue
-            try:
-                folder = local_path(w.store)
-            except WeightsError as e:
-                log.error("weights announcement at offset %d unusable: %s", msg.offset(), e)
-                continue
-            if (folder / "config.json").is_file() and (folder / "model.json").is_file():
-                return folder
-            raise ConfigError(f"--model learner: {folder} has no config.json and model.json; is the learner's "
-                              "weights dir shared with this producer, and is the learner up to date?")
-        return None
-    finally:
-        consumer.close()
-
-
-def read_backlog(consumer, keep_anchors: int, decode: Callable[[object], Weights | None], stop: threading.Event,
-                 poll_s: float) -> list[Weights]:
-    """The announcements at the end of `consumer`'s one partition, back to the `keep_anchors`-th
-    newest anchor (or the beginning), read newest window first, each offset once, each message
-    through `decode` (None: skipped); the consumer is left at the end for a live loop."""
-    tp = consumer.assignment()[0]
-    low, high = retrying(lambda: consumer.get_watermark_offsets(tp, timeout=5, cached=False))
-    got, end, window = [], high, 64
-    while end > low and sum(w.base < 0 for w in got) < keep_anchors and not stop.is_set():
-        start = max(low, end - window)
-        msgs = read_ranges(consumer, tp.topic, {0: (start, end)}, stop=stop, poll_s=poll_s)
-        got = [w for msg in msgs if (w := decode(msg)) is not None] + got
-        end, window = start, 4 * window
-    consumer.assign([TopicPartition(tp.topic, 0, high)])
-    return got
-
-
-def decode_announcement(msg, trusted: dict | None = None) -> tuple[Weights | None, str]:
-    """(the announcement `msg` holds if it may be acted on, else None; "" or why not: `invalid`,
-    or with `trusted` keys `unsigned`, `untrusted`, `forged` (schemas/signing.py)). No message or a
-    transient error is (None, ""). A refused one is logged, not dead-lettered (every reader of the
-    topic reads it: each would send its own copy)."""
-    if msg is None or consumer_error(msg):
-        return None, ""
-    try:
-        w = Weights.decode(msg.value() or b"")
-    except SchemaError as e:
-        log.error("invalid weights announcement at offset %d: %s", msg.offset(), e)
-        return None, "invalid"
-    if trusted is not None and (why := refusal(w, trusted)):
-        log.error("weights announcement of version %d at offset %d refused: %s (key %s)", w.version,
-                  msg.offset(), why, w.key_id or "none")
-        return None, why
-    return w, ""
-
-
-def prune(history: list[Weights], keep_anchors: int) -> list[Weights]:
-    """`history` from its `keep_anchors`-th newest anchor on: what any chain to a version worth
-    loading can start from."""
-    anchors = [i for i, x in enumerate(history) if x.base < 0]
-    return history[anchors[-keep_anchors]:] if len(anchors) > keep_anchors else history
 
 
 class Following:
@@ -220,14 +128,14 @@ class WeightSubscriber:
     """A background thread that keeps `generator` on the newest version it can verify, as
     `Following` decides: the Kafka reading, the rebuilds, the engine loads and the anchor asks."""
 
-    def __init__(self, kafka: KafkaConfig, generator: Generator, *, verify_files: bool = True,
+    def __init__(self, kafka: KafkaConfig, generator: Engine | RemoteEngine, *, verify_files: bool = True,
                  follow: FollowConfig = FollowConfig(), poll_s: float = 0.2, keep_anchors: int = 2,
                  requester: str = ""):
         self.kafka = kafka
         self.requester = requester or f"{socket.gethostname()}-{os.getpid()}"  # named in its anchor requests
         self.generator = generator
-        self.verify_files = verify_files  # False: the generator only records versions (http backend),
-        # so it gets the uri itself and this process reads no payload
+        self.verify_files = verify_files  # False: a RemoteEngine (http backend), handed the newest
+        # announcement's uri: its server reads the payload, this process reads none
         self.poll_s, self.keep_anchors = poll_s, keep_anchors
         self.following = Following(keep_anchors)
         self.counts = self.following.counts
@@ -240,14 +148,11 @@ class WeightSubscriber:
         self.handled = 0  # valid announcements acted on (backlog and live): what a caller can wait for
         self.by_source = {"inline": 0, "file": 0, "collective": 0}  # updates loaded, by how their bytes came
         self.last: dict[str, float] = {}
-        self.totals = {"fetch_s": 0.0, "write_s": 0.0, "load_s": 0.0, "pause_s": 0.0, "bytes": 0}
+        self.totals = {"fetch_s": 0.0, "load_s": 0.0, "pause_s": 0.0, "bytes": 0}
         self.caught_up = threading.Event()  # the backlog has been read and the newest version tried
         self.error: BaseException | None = None  # why the thread died; the owner should exit
         self._held: Rebuilt | None = None  # the state of the version last loaded: the base of the next delta
         self._asker = None  # a Kafka producer, made on the first anchor request
-        self._own_scratch = not follow.scratch_dir
-        self._scratch = Path(follow.scratch_dir or tempfile.mkdtemp(prefix="sao-weights-"))
-        self._scratch.mkdir(parents=True, exist_ok=True)
         self._link = Link(follow.collective_addr, follow.collective_timeout_s, follow.collective_device) if follow.collective_addr else None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="weights", daemon=True)
@@ -262,8 +167,6 @@ class WeightSubscriber:
         self._asker = None  # its client goes now, not when the subscriber is collected
         if self._link is not None:
             self._link.close()
-        if self._own_scratch:
-            shutil.rmtree(self._scratch, ignore_errors=True)
 
     @property
     def held_version(self) -> int:
@@ -312,7 +215,8 @@ class WeightSubscriber:
         if not self.verify_files:  # the server loads: hand it the newest announcement
             newest = self.following.newest()
             if newest is not None and newest.version > self.generator.version:
-                self._load(newest.uri, newest.version, [newest], time.perf_counter(), "file")
+                self._load(lambda: self.generator.load_weights(newest.uri, newest.version), newest.version,
+                           [newest], time.perf_counter(), "file")
             return
         while chain := self.following.chain(self.held_version):
             if chain[-1].version < self.generator.version:
@@ -351,42 +255,35 @@ class WeightSubscriber:
                     ask.held_version, ask.reason)
 
     def _install(self, state: Rebuilt, chain: list[Weights], t0: float, source: str) -> None:
-        """Make `state` the held one, loading it unless the engine already runs its version (v0 is
-        built from the learner's seed; its state is still needed as the base of the first delta,
-        and it must be this engine's architecture)."""
-        fetched = time.perf_counter()
-        path = write_full(state, self._scratch)
+        """Make `state` the held one, loading it into the engine's memory unless the engine already
+        runs its version (v0 is built from the learner's seed; its state is still needed as the
+        base of the first delta, and it must be this engine's architecture)."""
+        tensors = engine_state(state)
         if state.version == self.generator.version:
-            check = getattr(self.generator, "check_weights", None)
             try:
-                if check is not None:
-                    check(str(path))
+                self.generator.check_shapes({name: tuple(t.shape) for name, t in tensors.items()})
             except ArchitectureMismatch as e:
                 raise _mismatch(state.version, e) from e
-            finally:
-                path.unlink(missing_ok=True)
             self._hold(state)
             return
         moved = (sum(t.bits.nbytes for t in state.state.values()) if source == "collective"
                  else sum(w.num_bytes for w in chain))
-        stats = {"fetch_s": fetched - t0, "write_s": time.perf_counter() - fetched, "bytes": moved}
-        if self._load(str(path), state.version, chain, time.perf_counter(), source, stats):
+        stats = {"fetch_s": time.perf_counter() - t0, "bytes": moved}
+        if self._load(lambda: self.generator.load_state(tensors, state.version), state.version, chain,
+                      time.perf_counter(), source, stats):
             self._hold(state)
-            for old in self._scratch.glob("v*.safetensors"):
-                if old != path:
-                    old.unlink(missing_ok=True)  # the engine's last good file stays (vLLM reloads it on failure)
-        else:
-            path.unlink(missing_ok=True)
 
     def _hold(self, state: Rebuilt) -> None:
         self._held = state
         if self._link is not None:
             self._link.start()  # a state to receive into: link (again) if not linked
 
-    def _load(self, path: str, version: int, chain: list[Weights], t0: float, source: str,
+    def _load(self, load: Callable[[], None], version: int, chain: list[Weights], t0: float, source: str,
               stats: dict | None = None) -> bool:
+        """`load()` the engine onto `version`: True if it did; a failure is counted and logged, and
+        the engine keeps serving the weights it had (another architecture stops the producer)."""
         try:
-            self.generator.load_weights(path, version)
+            load()
         except ArchitectureMismatch as e:
             raise _mismatch(version, e) from e
         except Exception as e:  # a load failure must never take the producer down
