@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Awaitable, Callable, Literal
 
@@ -34,7 +34,7 @@ from consumers import join_rules
 from consumers.metrics import JoinerMetrics
 from schemas import topics as T
 from schemas.config import ConfigError
-from schemas.kafka import KafkaConfig, ensure_topics, make_consumer, read_ranges, replication_now
+from schemas.kafka import KafkaConfig, ServiceConfig, ensure_topics, make_consumer, read_ranges, replication_now
 from schemas.messages import DeadLetter, Reward, SchemaError, Trajectory, decode
 from schemas.retry import retrying
 
@@ -48,7 +48,7 @@ RETRY_S = 60.0
 
 
 @dataclass(kw_only=True)
-class JoinerConfig:
+class JoinerConfig(ServiceConfig):
     app_id: str = ""
     """Faust app id shared by every instance of one joiner ("" → `<topic prefix>.reward-join`)."""
     reward_timeout: float = 600.0
@@ -72,11 +72,6 @@ class JoinerConfig:
     4.1 (no duplicate after a SIGKILL), but faust 0.15's final commit on SIGTERM fails after traffic
     ("Not in the middle of a transaction") and the process may then hang: give it a grace period,
     then SIGKILL (nothing is lost; the open transaction is aborted)."""
-    metrics_port: int = 0
-    """Prometheus /metrics port (0: off)."""
-    log_every_s: float = 30.0
-    """Seconds between log lines with the rates."""
-    kafka: KafkaConfig = field(default_factory=KafkaConfig)
 
     def __post_init__(self):
         if self.reward_timeout <= 0 or self.orphan_timeout <= 0:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from consumers.control import CriterionFollower
 from consumers.judges import Judge, load_judge
@@ -28,7 +28,7 @@ from consumers.tokenizer import load_tokenizer
 from schemas import topics as T
 from schemas.boundary import Bounds, PluginError, call_sync, reward
 from schemas.config import ConfigError
-from schemas.kafka import KafkaConfig, consumer_error, ensure_topics, make_consumer
+from schemas.kafka import ServiceConfig, consumer_error, ensure_topics, make_consumer
 from schemas.messages import Reward, SchemaError, Trajectory
 from schemas.process import stop_on_signals
 
@@ -37,7 +37,7 @@ GROUP = "sao-judges"
 
 
 @dataclass(kw_only=True)
-class JudgeConfig:
+class JudgeConfig(ServiceConfig):
     judge: str = "style"
     """style (rule-based), llm (asks `--llm-url`), or module:callable(prompt, completion, criterion) -> float."""
     model: str = "tiny-llama-bytes"
@@ -55,11 +55,6 @@ class JudgeConfig:
     judge_timeout: float = 60.0
     """Seconds one judge call may take; a call that takes longer is abandoned (the trajectory is
     skipped, counted, and times out in the joiner)."""
-    metrics_port: int = 0
-    """Serve Prometheus metrics on this port (0: off)."""
-    log_every_s: float = 30.0
-    """Seconds between log lines."""
-    kafka: KafkaConfig = field(default_factory=KafkaConfig)
 
     def __post_init__(self):
         if not self.criteria:

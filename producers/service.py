@@ -61,7 +61,7 @@ from schemas import topics as T
 from schemas.boundary import Bounds, call
 from schemas.weights.announcements import learner_store
 from schemas.weights.follow import FollowConfig, WeightSubscriber
-from schemas.kafka import (KafkaConfig, acknowledged, consumer_error, dead_letter, decode_or_dead_letter,
+from schemas.kafka import (ServiceConfig, acknowledged, consumer_error, dead_letter, decode_or_dead_letter,
                            ensure_topics, make_consumer, make_producer)
 from schemas.config import ConfigError
 from schemas.messages import DEFAULT_LIMITS, Prompt, SchemaError, Trajectory
@@ -74,7 +74,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
-class ProducerConfig:
+class ProducerConfig(ServiceConfig):
     backend: Literal["hf", "vllm", "http", "sim", "auto"] = "hf"
     """Generator: transformers in-process, vLLM in-process, a completions server (`sao serve`),
     simulated rollouts without a model (load and systems tests; see --sim.*), or auto: vllm where
@@ -134,15 +134,10 @@ class ProducerConfig:
     drain_s: float = 10.0
     """On SIGTERM, seconds the episodes in flight get to finish and be delivered; the rest are
     abandoned unpublished and their prompts redelivered to another producer."""
-    metrics_port: int = 0
-    """Serve Prometheus metrics on this port (0: off)."""
-    log_every_s: float = 30.0
-    """Seconds between metric log lines."""
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     sim: SimConfig = field(default_factory=SimConfig)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     weights: FollowConfig = field(default_factory=FollowConfig)
-    kafka: KafkaConfig = field(default_factory=KafkaConfig)
 
     def __post_init__(self):
         for name in env_mixture(self.env):

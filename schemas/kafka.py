@@ -102,6 +102,18 @@ class KafkaConfig:
         return SSLCredentials(context) if context else None
 
 
+@dataclass(kw_only=True)
+class ServiceConfig:
+    """What a long-running service that logs its rates is configured with besides its own
+    settings (the producer, the joiner, the judge): one spelling of the flags they share."""
+
+    metrics_port: int = 0
+    """Serve Prometheus metrics on this port (0: off)."""
+    log_every_s: float = 30.0
+    """Seconds between log lines with the rates."""
+    kafka: KafkaConfig = field(default_factory=KafkaConfig)
+
+
 def make_producer(cfg: KafkaConfig, **overrides) -> Producer:
     """An idempotent producer: acks=all, ordered retries, lz4."""
     return Producer(cfg.client(**{
