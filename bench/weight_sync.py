@@ -199,7 +199,7 @@ def main() -> None:
           f"tokens, lr {args.lr:g} (LoRA 1e-4), 2 hf producers  [{platform.machine()}, {os.cpu_count()} cores, "
           f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, load average {os.getloadavg()[0]:.1f}]")
     print(f"{'case':<14}{'deltas':>7}{'median B':>11}{'÷ full':>8}{'moved B':>10}{'sync s':>14}{'pause s':>9}{'pause÷sync':>11}"
-          f"{'publish s':>10}{'fetch s':>9}{'load s':>8}{'disk B':>8}  how the updates came")
+          f"{'publish s':>10}{'fetch s':>9}{'load s':>8}{'disk B':>11}  how the updates came")
 
     def med(xs):
         return statistics.median(xs) if xs else float("nan")
@@ -209,7 +209,7 @@ def main() -> None:
               f"{med(r['bytes']):>10.0f}"
               f"{med(r['sync']):>8.3f}/{max(r['sync'], default=float('nan')):<5.2f}{med(r['pause']):>9.4f}"
               f"{med(r['ratio']):>11.3f}{med(r['publish']):>10.3f}{med(r['fetch_s']):>9.3f}"
-              f"{med(r['load_s']):>8.3f}{r['disk']:>8.0f}  {r['sources'][0]}")
+              f"{med(r['load_s']):>8.3f}{r['disk']:>11.0f}  {r['sources'][0]}")
     for name, r in results.items():
         print(f"{name}: anchors {[round(a / 1e6, 2) for a in r['anchors']]} MB; last delta "
               f"{r['delta_last'] / r['full']:.4f} of full; snapshot on the training thread {r['snapshot_s']:.3f} s/step")
