@@ -16,9 +16,11 @@ pause (a forward hook records the version of every decode step). Figures:
   to the sync it belongs to (target <= 0.2);
 - the learner's background publication (snapshot handed over → announced) and the producers'
   fetch/rebuild/verify and load, per update;
-- disk: bytes the producers wrote to disk per producer per update (the kernel's `write_bytes` of
-  this process, where both producers run; the learner is another process); target 0: every
-  update reaches the engine in memory, however it travelled.
+- disk: bytes each producer wrote to disk per update: the kernel's `write_bytes` (counted as pages
+  are dirtied) of the threads that follow the weights and swap them into the engine, which live
+  as long as the producer (the process's own figure would include the learner's, added when the
+  learner process is reaped); target 0: every update reaches the engine in memory, however it
+  travelled.
 
     .venv/bin/python bench/weight_sync.py [--steps 20] [--hidden 512] [--layers 8] [--vocab 8192]
 """
@@ -80,6 +82,15 @@ class Engine:
             if last and last["version"] not in self.updates:
                 self.updates[last["version"]] = dict(last)
 
+    def disk_bytes_written(self) -> int:
+        """Bytes the weight path's threads (the subscriber's and the engine's) have caused to be
+        written to storage since they started."""
+        total = 0
+        for thread in (self.sub._thread, self.gen._thread):
+            io = Path(f"/proc/self/task/{thread.native_id}/io").read_text().splitlines()
+            total += int(dict(line.split(": ") for line in io)["write_bytes"])
+        return total
+
     def first_decode(self, version: int) -> float | None:
         return next((t for t, v in self.marks if v >= version), None)
 
@@ -112,7 +123,6 @@ def run_case(bootstrap: str, args, flags: list[str], follow: FollowConfig) -> di
         produce(producer, kafka.topic(T.TRAJECTORIES), t.encode(), key=t.key)
     assert producer.flush(60) == 0
     dims = dict(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers, seed=0)
-    written = disk_bytes_written()
     engines = [Engine(kafka, tiny_llama(**dims), follow) for _ in range(2)]
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "sao", "learner", "--run-dir", f"{tmp}/learner", "--weights-dir", f"{tmp}/weights",
@@ -127,16 +137,11 @@ def run_case(bootstrap: str, args, flags: list[str], follow: FollowConfig) -> di
     deadline = time.monotonic() + 60
     while any(e.gen.version < ws[-1].version for e in engines) and time.monotonic() < deadline:
         time.sleep(0.1)
+    written = sum(e.disk_bytes_written() for e in engines)
+    loads = sum(e.sub.counts["loaded"] for e in engines)
     for e in engines:
         e.close()
-    loads = sum(e.sub.counts["loaded"] for e in engines)
-    return summarise(steps, ws, engines) | {"disk": (disk_bytes_written() - written) / max(loads, 1)}
-
-
-def disk_bytes_written() -> int:
-    """Bytes this process has caused to be written to storage (counted as pages are dirtied)."""
-    io = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
-    return int(io["write_bytes"])
+    return summarise(steps, ws, engines) | {"disk": written / max(loads, 1)}
 
 
 def summarise(steps: list[dict], ws: list[Weights], engines: list[Engine]) -> dict:
