@@ -11,7 +11,7 @@ export TRANSFORMERS_OFFLINE := 1
 # time in pip's cache (a CI run once ran out of disk installing them)
 export PIP_NO_CACHE_DIR := 1
 
-.PHONY: install run run-tiny run-agent test test-fast bench broker clean readme image
+.PHONY: install run run-tiny run-agent test test-fast bench bench-peer peer-env broker clean readme image
 
 install: $(STAMP)
 
@@ -87,6 +87,31 @@ test-fast: install
 bench: install
 	$(PY) bench/codec.py
 	$(PY) bench/kafka_path.py
+
+# TRL (the peer of bench/peer_trl.py) in an environment of its own: trl 1.16.0 needs datasets, whose
+# fsspec pin is older than ours, and nothing of it belongs in what `make test` installs. .venv-peer is
+# a venv of the same interpreter that sees .venv's packages behind its own (a .pth adds .venv's
+# site-packages last, the editable project with it); pip is held to .venv's versions of everything
+# but fsspec, so torch, transformers and huggingface-hub stay ours and only trl, datasets, fsspec,
+# multiprocess and xxhash land in .venv-peer
+PEER := .venv-peer
+PEER_STAMP := $(PEER)/.peer-installed
+peer-env: $(PEER_STAMP)
+
+$(PEER_STAMP): $(STAMP)
+	rm -rf $(PEER)
+	$(PY) -m venv $(PEER)
+	echo "import site; site.addsitedir('$(abspath $(shell $(PY) -c "import sysconfig; print(sysconfig.get_path('purelib'))"))')" \
+	  > "$$($(PEER)/bin/python -c "import sysconfig; print(sysconfig.get_path('purelib'))")/zz_sao_project.pth"
+	$(PY) -m pip freeze --all --exclude-editable | grep -v -i '^fsspec==' > $(PEER)/constraints.txt
+	$(PEER)/bin/python -m pip install -q -c $(PEER)/constraints.txt "trl==1.16.0"
+	$(PEER)/bin/python -c "import trl, torch, transformers, sao; print('trl', trl.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
+	touch $@
+
+# ours (`make run-agent`'s pipeline) against TRL's GRPOTrainer on the same warm start, task, reward,
+# tool and cores, 15 minutes each, one after the other (~40 min); bench/results/peer_trl.md
+bench-peer: install peer-env
+	$(PY) bench/peer_trl.py
 
 broker: install
 	$(VENV)/bin/sao broker

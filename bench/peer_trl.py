@@ -1,0 +1,598 @@
+"""Ours against a peer: `make run-agent`'s pipeline and TRL's `GRPOTrainer` on the same warm-started
+model, task, reward, tool and cores, each for the same wall-clock budget, one after the other.
+Held-out accuracy against wall-clock seconds for both, and how long each took to reach the same
+accuracy.
+
+- **ours**: `sao up` with `make run-agent`'s settings (the warm start of `sao warmup --env calc-agent
+  --model smollm2 --demos 100 --sft.epochs 1`; one vLLM producer playing `calc-agent` with the
+  sandboxed python tool, 8 episodes a learner step, 96 tokens a turn, the SAO learner with
+  `make run-agent`'s flags, `sao eval` scoring the 32 held-out problems greedily on its own vLLM
+  engine), every `--eval-every` versions instead of 6. At the budget the learner is sent SIGTERM:
+  it finishes the step in progress and stops, and the evaluator scores the last version (as at the
+  end of any `sao up` run). The accuracies are `sao eval`'s own (RUN_DIR/eval.jsonl); a version's
+  time is when the learner published it (learner/metrics.jsonl), v0's the start.
+- **TRL**: `trl.GRPOTrainer` with its own tool calling (`environment_factory`: an environment
+  class whose `python` method is the tool, one instance per rollout, reset between them), in
+  `.venv-peer` (`make peer-env`: trl's `datasets` wants an older fsspec than ours). The tool runs
+  the code in a session of the project's own sandbox, so a rollout's variables persist between its
+  calls as in `calc-agent`, and answers with the same text. The prompt is `calc-agent`'s, token for
+  token (the chat template given to TRL renders the tools and the tool results as the project does;
+  checked on the first 64 prompts at start); replies are parsed as Hermes `<tool_call>` JSON
+  (TRL's Qwen3 response template: SmolLM2's has none). Reward: 1 when the final reply's last
+  `Answer: N` is the answer (the scorer `calc-agent` uses), 0 otherwise or when the rollout ends
+  still calling tools. 8 rollouts a step (2 prompts x `--num-generations` 4, in micro-batches of 2), 96 new tokens a
+  turn, at most 7 tool rounds (calc-agent's 8 turns), learning rate 2e-5 (ours' policy lr),
+  constant; the rest TRL's GRPO defaults (loss `dapo`, no KL, clip 0.2, rewards scaled per
+  group) but float32 and no gradient checkpointing, as ours trains. Generation is TRL's
+  transformers path (`model.generate`, batched, on the CPU): TRL's vLLM path needs vllm<=0.31,
+  not the CPU build the project uses. Every `--eval-every` steps, and before the first, a callback
+  scores the policy on the same 32 held-out problems with the same scorer `sao warmup` uses
+  (`sao.warmup.held_out_score`: greedy, hf); the evaluation pauses training and its time counts in
+  the budget, as ours' evaluator shares the cores with training. At the budget the step in
+  progress finishes and training stops; the last step is then scored if it was not.
+
+Both clocks start when the side is launched (ours: `sao up` starting its broker and processes;
+TRL: the trainer process loading the model), so start-up counts. Reported: accuracy against
+seconds, the start (v0) and best of each, and the seconds each took to reach the highest accuracy
+both reached above the start, with the ratio TRL ÷ ours (or, plainly, that one or neither rose).
+
+    make bench-peer                                       # both sides, 15 minutes each (~40 min)
+    .venv/bin/python bench/peer_trl.py --budget-s 900     # the same
+    .venv/bin/python bench/peer_trl.py --sides trl --budget-s 300 --trl-max-steps 2 --eval-every 1  # smoke
+    .venv/bin/python bench/peer_trl.py --replot           # md and png from the saved json
+
+Writes bench/results/peer_trl.{md,png,json} (`--out`); raw runs under runs/peer.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import tyro  # noqa: E402
+
+Side = Literal["ours", "trl"]
+
+RUN_AGENT_LEARNER_FLAGS = ("--update.warmup-steps 3 --update.lr-policy 2e-5 --update.lr-critic 5e-4 "
+                           "--update.micro-batch-tokens 1024")
+"""`make run-agent`'s learner flags."""
+
+
+@dataclass(kw_only=True)
+class PeerConfig:
+    budget_s: float = 900.0
+    """Wall-clock seconds each side trains for (start-up and its evaluations included)."""
+    sides: tuple[Side, ...] = ("ours", "trl")
+    """Which sides run, in this order; a side not run keeps its result from --out's json."""
+    eval_every: int = 3
+    """Score the held-out problems every this many policy updates (and the start, and the last)."""
+    eval_tasks: int = 32
+    """Held-out problems scored (greedy)."""
+    heldout_frac: float = 0.1
+    """make run-agent's split."""
+    max_tokens: int = 96
+    """Most new tokens per model turn, both sides."""
+    max_turns: int = 8
+    """Most model turns per episode (calc-agent's): TRL gets max_turns - 1 tool rounds."""
+    batch: int = 8
+    """Episodes per policy update, both sides (TRL: batch / num_generations prompts)."""
+    num_generations: int = 4
+    """TRL's group size."""
+    micro_batch: int = 2
+    """TRL's rollouts per forward and backward (per_device_train_batch_size; the `batch` rollouts of
+    one generation are one optimizer step, in batch / micro_batch accumulated micro-batches, as
+    ours' learner splits a step into micro-batches of 1,024 tokens): fewer pad tokens than one
+    batch padded to its longest rollout."""
+    lr: float = 2e-5
+    """TRL's learning rate (ours' policy lr, --update.lr-policy)."""
+    warm: str = ""
+    """The warm-started folder; empty: `sao warmup --env calc-agent --model smollm2 --demos 100
+    --sft.epochs 1` (make run-agent's, cached under runs/warmup)."""
+    run_dir: Path = Path("runs/peer")
+    """Raw runs: ours/ (sao up's run dir), trl/ (the trainer's output and log)."""
+    out: Path = Path("bench/results/peer_trl.md")
+    """The table; .json (every figure) and .png (the plot) beside it."""
+    peer_python: Path = Path(".venv-peer/bin/python")
+    """The interpreter with trl (`make peer-env`)."""
+    final_eval_s: float = 300.0
+    """Seconds ours' evaluator gets after the learner stops to score the last version (`sao up --final-eval-s`)."""
+    ours_steps: int = 0
+    """Stop ours after this many learner steps instead of at the budget (0: the budget; for a smoke test)."""
+    trl_max_steps: int = 0
+    """Stop TRL after this many steps instead of at the budget (0: the budget; for a smoke test)."""
+    threads: int = 2
+    """Torch threads of the TRL process (ours: the learner 2, every other process 1, as sao up sets)."""
+    seed: int = 0
+    replot: bool = False
+    """Only rewrite the md and png from the json."""
+    worker: bool = False
+    """Internal: run the TRL side in this process (under --peer-python) and write its json."""
+    worker_out: Path = Path("")
+    """Internal: where the worker writes its result."""
+    command: str = ""
+    """The command line the results file names (default: this one)."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# shared
+
+
+def load() -> dict:
+    """Load averages (1, 5, 15 min) and the time, for the record."""
+    return {"loadavg": [round(x, 2) for x in os.getloadavg()], "at": datetime.datetime.now().isoformat(timespec="seconds")}
+
+
+def warm_folder(cfg: PeerConfig) -> str:
+    if cfg.warm:
+        return cfg.warm
+    out = subprocess.run([sys.executable, "-m", "sao", "warmup", "--env", "calc-agent", "--model", "smollm2",
+                          "--demos", "100", "--sft.epochs", "1"], cwd=REPO, check=True, stdout=subprocess.PIPE,
+                         text=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
+def say(line: str) -> None:
+    print(line, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------
+# ours: sao up
+
+
+def ours_command(cfg: PeerConfig, warm: str, run_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "sao", "up", "--model", warm, "--env", "calc-agent", "--producers", "1",
+            "--batch-trajectories", str(cfg.batch), "--max-tokens", str(cfg.max_tokens),
+            "--steps", str(cfg.ours_steps or 1_000_000), "--eval-every", str(cfg.eval_every),
+            "--eval-tasks", str(cfg.eval_tasks), "--eval-samples", "0", "--heldout-frac", str(cfg.heldout_frac),
+            "--run-dir", str(run_dir), "--no-dashboard", "--final-eval-s", str(cfg.final_eval_s),
+            f"--learner-flags={RUN_AGENT_LEARNER_FLAGS}"]
+
+
+def learner_pids(up_pid: int) -> list[int]:
+    """The `sao learner` child of `sao up` (psutil: the supervisor restarts it under a new pid)."""
+    import psutil
+
+    try:
+        children = psutil.Process(up_pid).children()
+    except psutil.NoSuchProcess:
+        return []
+    pids = []
+    for c in children:
+        try:
+            argv = c.cmdline()
+        except psutil.Error:
+            continue
+        if argv[1:4] == ["-m", "sao", "learner"]:
+            pids.append(c.pid)
+    return pids
+
+
+def run_ours(cfg: PeerConfig, warm: str) -> dict:
+    from sao.report import load_evaluations, load_steps
+
+    run_dir = cfg.run_dir / "ours"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cmd = ours_command(cfg, warm, run_dir)
+    before = load()
+    say(f"ours: {shlex.join(cmd[1:])}")
+    t0 = time.time()
+    stopped_at = None
+    with open(cfg.run_dir / "ours.log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            proc.wait(timeout=None if cfg.ours_steps else cfg.budget_s)
+        except subprocess.TimeoutExpired:
+            stopped_at = time.time() - t0
+            pids = learner_pids(proc.pid)
+            say(f"ours: budget reached at {stopped_at:.0f} s: SIGTERM to the learner {pids} (it finishes its step)")
+            for pid in pids:
+                os.kill(pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=cfg.final_eval_s + 600)
+            except subprocess.TimeoutExpired:
+                say("ours: sao up did not end; SIGTERM to it")
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=120)
+    wall = time.time() - t0
+    after = load()
+    steps = load_steps(run_dir)
+    published = {0: 0.0}
+    for s in steps:
+        published.setdefault(int(s["weights/version"]), s["time"] - t0)
+    points = []
+    for e in load_evaluations(run_dir):
+        v = int(e["version"])
+        points.append({"update": v, "seconds": published.get(v), "accuracy": e["greedy/mean"],
+                       "turns": e.get("episode/turns"), "eval_s": e.get("seconds"), "scored_at": e["time"] - t0})
+    return {"side": "ours", "command": shlex.join(["sao", *cmd[3:]]), "started": before["at"],
+            "load_before": before["loadavg"], "load_after": after["loadavg"], "budget_s": cfg.budget_s,
+            "stopped_at_s": stopped_at, "wall_s": wall, "exit": proc.returncode,
+            "backend": "vLLM CPU build (producer and evaluator, float32), SAO learner on torch (float32 policy)",
+            "steps": [{"step": int(s["step/index"]), "seconds": s["time"] - t0, "version": int(s["weights/version"]),
+                       "reward": s["reward/mean"], "turns": s.get("episode/turns")} for s in steps],
+            "points": points, "updates": max(published)}
+
+
+# ---------------------------------------------------------------------------------------------------
+# TRL (runs under .venv-peer)
+
+
+def chat_template(default_system: str) -> str:
+    """A ChatML template that renders tools, tool calls and tool results as producers/envs/tools.py
+    does for SmolLM2 (whose own template has no tools): the tools listed as a Hermes block after the
+    system prompt, a call as `<tool_call>{json}</tool_call>`, one user turn of `<tool_response>`
+    blocks for a reply's results. TRL renders prompts and tool results through it."""
+    from producers.envs.tools import HERMES_SYSTEM
+
+    head, tail = (s.replace("{{", "{").replace("}}", "}") for s in HERMES_SYSTEM.split("{tools}"))
+    lit = json.dumps  # a Jinja string literal: JSON's escapes are Jinja's
+    return (
+        "{%- set ns = namespace(listing='') -%}"
+        "{%- if tools -%}{%- set ns.listing = " + lit(head) + " -%}"
+        "{%- for t in tools -%}{%- set f = t.function if t.function is defined else t -%}"
+        "{%- set ns.listing = ns.listing + ({'type': 'function', 'function': {'name': f.name, "
+        "'description': f.description, 'parameters': f.parameters}} | tojson(separators=(',', ':')))"
+        " + ('\\n' if not loop.last else '') -%}"
+        "{%- endfor -%}{%- set ns.listing = ns.listing + " + lit(tail) + " -%}{%- endif -%}"
+        "{%- if messages[0]['role'] != 'system' -%}"
+        "{{- '<|im_start|>system\\n' + (ns.listing if tools else " + lit(default_system) + ") + '<|im_end|>\\n' -}}"
+        "{%- endif -%}"
+        "{%- for m in messages -%}"
+        "{%- if m['role'] == 'system' -%}"
+        "{{- '<|im_start|>system\\n' + m['content'] + ('\\n\\n' + ns.listing if tools else '') + '<|im_end|>\\n' -}}"
+        "{%- elif m['role'] == 'tool' -%}"
+        "{%- if loop.previtem is not defined or loop.previtem['role'] != 'tool' -%}{{- '<|im_start|>user\\n' -}}"
+        "{%- else -%}{{- '\\n' -}}{%- endif -%}"
+        "{{- '<tool_response>\\n' + m['content'] + '\\n</tool_response>' -}}"
+        "{%- if loop.nextitem is not defined or loop.nextitem['role'] != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
+        "{%- elif m['role'] == 'assistant' -%}"
+        "{{- '<|im_start|>assistant\\n' + (m['content'] or '') -}}"
+        "{%- for c in m.get('tool_calls') or [] -%}{%- set f = c.function if c.function is defined else c -%}"
+        "{{- '<tool_call>' + ({'name': f.name, 'arguments': (f.arguments if f.arguments is mapping else "
+        "(f.arguments | string))} | tojson) + '</tool_call>' -}}"
+        "{%- endfor -%}{{- '<|im_end|>\\n' -}}"
+        "{%- else -%}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' -}}{%- endif -%}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+    )
+
+
+def final_reply_reward(completions, answer, **_) -> list[float]:
+    """calc-agent's reward: 1.0 when the final reply's last `Answer: N` is the answer; 0.0 otherwise,
+    and when the rollout ended still calling tools (calc-agent's `max_turns`)."""
+    from producers.envs.math import extract_answer
+
+    rewards = []
+    for messages, a in zip(completions, answer):
+        last = messages[-1] if messages else {}
+        done = last.get("role") == "assistant" and not last.get("tool_calls")
+        rewards.append(1.0 if done and extract_answer(last.get("content") or "") == a else 0.0)
+    return rewards
+
+
+def trl_worker(cfg: PeerConfig) -> None:
+    t0 = time.time()
+    import torch
+    import trl
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.chat_template_utils import qwen3_template
+
+    from producers.demos import training_tasks
+    from producers.envs import make_env
+    from producers.sandbox import Sandbox, SandboxConfig, format_result
+    from producers.session import PythonSession
+    from sao.warmup import WarmupConfig, held_out_score
+    from schemas.tokenizers import load_tokenizer
+
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    warm = cfg.warm
+    out_dir = cfg.run_dir / "trl"
+    sandbox = Sandbox(SandboxConfig())
+    scorer_tokenizer = load_tokenizer(warm)  # the project's, untouched: the scorer's and the env's
+    env = make_env("calc-agent", tokenizer=scorer_tokenizer, sandbox=sandbox)
+
+    tokenizer = load_tokenizer(warm)  # TRL's: the template above, <|im_end|> as EOS, a pad token
+    tokenizer.chat_template = chat_template("You are a helpful AI assistant named SmolLM, trained by Hugging Face")
+    tokenizer.eos_token, tokenizer.pad_token, tokenizer.padding_side = "<|im_end|>", "<|endoftext|>", "left"
+    tokenizer.response_template = qwen3_template  # Hermes <tool_call> JSON between <|im_start|>assistant and <|im_end|>
+
+    sessions: list[PythonSession] = []
+
+    class CalcTool:
+        """One rollout's python tool: a session of the project's sandbox, new at every reset."""
+
+        def __init__(self):
+            self.session = None
+
+        def reset(self, **_) -> None:
+            if self.session is not None:
+                self.session.close()
+            self.session = PythonSession(sandbox)
+            sessions.append(self.session)
+
+        def python(self, code: str) -> str:
+            """Run Python; variables persist between calls.
+
+            Args:
+                code: Python code; print the result.
+            """
+            return format_result(self.session.run(code))  # failures too: the model sees what calc-agent shows
+
+    tasks = list(training_tasks(env, 4000, cfg.heldout_frac, cfg.seed + 1))
+    dataset = Dataset.from_list([{"prompt": env.messages(t), "answer": t["answer"]} for t in tasks])
+    probe = CalcTool()
+    for t in tasks[:64]:  # the prompt TRL renders is calc-agent's, token for token
+        ids = tokenizer.apply_chat_template(conversation=[env.messages(t)], tools=[probe.python],
+                                            add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"][0]
+        if list(ids) != env.prompt_ids(t):
+            raise SystemExit(f"TRL's prompt differs from calc-agent's:\n{tokenizer.decode(ids)!r}\n"
+                             f"{scorer_tokenizer.decode(env.prompt_ids(t))!r}")
+
+    model = AutoModelForCausalLM.from_pretrained(warm, dtype=torch.float32)
+    model.generation_config.eos_token_id = [2, 1]  # calc-agent's stop tokens: <|im_end|>, and the tokenizer's EOS
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    wcfg = WarmupConfig(env="calc-agent", model=warm, eval_tasks=cfg.eval_tasks, max_tokens=cfg.max_tokens,
+                        heldout_frac=cfg.heldout_frac, seed=0)  # seed 0: the tasks sao warmup and sao eval score
+    points: list[dict] = []
+    steps: list[dict] = []
+
+    def evaluate(update: int, seconds: float) -> None:
+        e0 = time.time()
+        f = held_out_score(wcfg, model, env, scorer_tokenizer)
+        points.append({"update": update, "seconds": seconds, "accuracy": f["greedy/mean"],
+                       "turns": f.get("episode/turns"), "eval_s": time.time() - e0, "scored_at": time.time() - t0})
+        say(f"TRL EVAL step {update} at {seconds:.0f} s: greedy/mean {f['greedy/mean']:.3f} turns "
+            f"{f.get('episode/turns', float('nan')):.2f} ({time.time() - e0:.0f} s)")
+        model.train()
+
+    class Budget(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "reward" in logs:
+                steps.append({"step": state.global_step, "seconds": time.time() - t0, "reward": logs["reward"],
+                              "tool_calls": logs.get("tools/call_frequency"),
+                              "completion_tokens": logs.get("completions/mean_length")})
+                say(f"TRL STEP {state.global_step} at {time.time() - t0:.0f} s: reward {logs['reward']:.3f} "
+                    f"tool calls {logs.get('tools/call_frequency', float('nan')):.2f} completion tokens "
+                    f"{logs.get('completions/mean_length', float('nan')):.0f}")
+
+        def on_step_end(self, args, state, control, **kw):
+            seconds = time.time() - t0
+            over = seconds >= cfg.budget_s
+            if state.global_step % cfg.eval_every == 0 and not over:
+                evaluate(state.global_step, seconds)
+            if over or time.time() - t0 >= cfg.budget_s:
+                control.should_training_stop = True
+
+    args = GRPOConfig(
+        output_dir=str(out_dir), per_device_train_batch_size=cfg.micro_batch,
+        gradient_accumulation_steps=cfg.batch // cfg.micro_batch, steps_per_generation=cfg.batch // cfg.micro_batch,
+        num_generations=cfg.num_generations, max_steps=cfg.trl_max_steps or 1_000_000, learning_rate=cfg.lr,
+        lr_scheduler_type="constant", warmup_steps=0, max_completion_length=cfg.max_turns * cfg.max_tokens + 256,
+        generation_kwargs={"max_new_tokens": cfg.max_tokens}, max_tool_calling_iterations=cfg.max_turns - 1,
+        temperature=1.0, use_cpu=True, bf16=False, gradient_checkpointing=False, logging_steps=1,
+        save_strategy="no", report_to="none", seed=cfg.seed, disable_tqdm=True, dataloader_num_workers=0)
+    trainer = GRPOTrainer(model=model, reward_funcs=final_reply_reward, args=args, train_dataset=dataset,
+                          processing_class=tokenizer, environment_factory=CalcTool, callbacks=[Budget()])
+    evaluate(0, 0.0)  # v0 is the warm folder, there from the start (as ours' v0)
+    before_train = time.time() - t0
+    try:
+        trainer.train()
+        stopped_at = time.time() - t0
+        last = trainer.state.global_step
+        if not points or points[-1]["update"] != last:  # the last step, scored after the budget as ours' is
+            evaluate(last, stopped_at)
+    finally:
+        for s in sessions:
+            s.close()
+    result = {"side": "trl", "trl": trl.__version__, "torch": torch.__version__, "budget_s": cfg.budget_s,
+              "stopped_at_s": stopped_at, "wall_s": time.time() - t0, "setup_s": before_train,
+              "backend": "transformers model.generate (TRL's default, no vLLM), float32, on the CPU",
+              "steps": steps, "points": points, "updates": last,
+              "log_history": trainer.state.log_history}
+    cfg.worker_out.parent.mkdir(parents=True, exist_ok=True)
+    cfg.worker_out.write_text(json.dumps(result, indent=1, default=str))
+
+
+def run_trl(cfg: PeerConfig, warm: str) -> dict:
+    out = cfg.run_dir / "trl" / "result.json"
+    out.unlink(missing_ok=True)
+    args = [str(cfg.peer_python), str(Path(__file__).resolve()), "--worker", "--worker-out", str(out),
+            "--warm", warm, "--budget-s", str(cfg.budget_s), "--eval-every", str(cfg.eval_every),
+            "--eval-tasks", str(cfg.eval_tasks), "--heldout-frac", str(cfg.heldout_frac),
+            "--max-tokens", str(cfg.max_tokens), "--max-turns", str(cfg.max_turns), "--batch", str(cfg.batch),
+            "--num-generations", str(cfg.num_generations), "--micro-batch", str(cfg.micro_batch), "--lr", str(cfg.lr), "--run-dir", str(cfg.run_dir),
+            "--trl-max-steps", str(cfg.trl_max_steps), "--threads", str(cfg.threads), "--seed", str(cfg.seed)]
+    before = load()
+    say(f"TRL: {shlex.join(args)}")
+    t0 = time.time()
+    env = dict(os.environ, TRL_EXPERIMENTAL_SILENCE="1", PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(cfg.threads))
+    with open(cfg.run_dir / "trl.log", "w") as log:
+        proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        for line in proc.stdout:
+            log.write(line)
+            log.flush()
+            if line.startswith(("TRL ", "Traceback")) or "Error" in line:
+                print(line, end="", flush=True)
+        proc.wait()
+    if proc.returncode or not out.exists():
+        raise SystemExit(f"the TRL side failed (exit {proc.returncode}); see {cfg.run_dir / 'trl.log'}")
+    result = json.loads(out.read_text())
+    after = load()
+    return result | {"command": shlex.join(["python", "bench/peer_trl.py", *args[2:]]), "started": before["at"],
+                     "load_before": before["loadavg"], "load_after": after["loadavg"], "wall_s": time.time() - t0}
+
+
+# ---------------------------------------------------------------------------------------------------
+# the comparison
+
+
+def reach(points: list[dict], level: float) -> float | None:
+    """Seconds at which a policy first scored `level` or more (the time its weights existed)."""
+    hits = [p["seconds"] for p in points if p["accuracy"] >= level - 1e-9 and p["seconds"] is not None]
+    return min(hits) if hits else None
+
+
+def comparison(data: dict) -> list[str]:
+    """The verdict lines: start, best, and the seconds to the highest accuracy both reached."""
+    ours, trl = data["sides"].get("ours"), data["sides"].get("trl")
+    if not (ours and trl and ours["points"] and trl["points"]):
+        return ["Only one side has run: no comparison."]
+    start_o, start_t = ours["points"][0]["accuracy"], trl["points"][0]["accuracy"]
+    start = max(start_o, start_t)
+    best_o, best_t = max(p["accuracy"] for p in ours["points"]), max(p["accuracy"] for p in trl["points"])
+    lines = [f"Start (v0, the same warm folder): ours {start_o:.3f} (sao eval, vLLM), TRL {start_t:.3f} "
+             f"(held_out_score, hf). Best: ours {best_o:.3f}, TRL {best_t:.3f}."]
+    level = min(best_o, best_t)
+    if best_o <= start and best_t <= start:
+        lines.append(f"**Neither side rose above the start ({start:.3f}) within {ours['budget_s']:.0f} s**: no time "
+                     "to a higher accuracy to compare.")
+    elif level <= start:
+        who, other = ("ours", "TRL") if best_o > start else ("TRL", "ours")
+        best = max(best_o, best_t)
+        t = reach(ours["points"] if who == "ours" else trl["points"], best)
+        lines.append(f"**Only {who} rose above the start**: {best:.3f} at {t:.0f} s; {other} never scored above "
+                     f"{start:.3f} within the budget, so there is no ratio of times.")
+    else:
+        t_o, t_t = reach(ours["points"], level), reach(trl["points"], level)
+        lines.append(f"**Both reached {level:.3f}** (the highest accuracy both reached above the start): ours at "
+                     f"{t_o:.0f} s, TRL at {t_t:.0f} s; **TRL ÷ ours = {t_t / t_o:.2f}**.")
+    return lines
+
+
+def plot(data: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from bench.report import save_figure
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for side, label, color in (("ours", "ours (sao up: SAO, vLLM producer, sao eval)", "tab:blue"),
+                               ("trl", "TRL GRPOTrainer (transformers generate)", "tab:orange")):
+        r = data["sides"].get(side)
+        if not r:
+            continue
+        pts = [p for p in r["points"] if p["seconds"] is not None]
+        ax.step([p["seconds"] for p in pts], [p["accuracy"] for p in pts], where="post", color=color, label=label,
+                marker="o")
+        for p in pts:
+            ax.annotate(str(p["update"]), (p["seconds"], p["accuracy"]), textcoords="offset points", xytext=(3, 4),
+                        fontsize=7, color=color)
+    ax.axvline(data["config"]["budget_s"], color="grey", ls=":", lw=1)
+    ax.set_xlabel("wall-clock seconds since the side started (labels: policy updates)")
+    ax.set_ylabel(f"held-out greedy accuracy ({data['config']['eval_tasks']} problems)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title("calc-agent, SmolLM2-135M warm start, 2 CPU cores")
+    ax.legend(fontsize=8, loc="upper left")
+    save_figure(fig, path, dpi=90)
+
+
+def markdown(data: dict) -> str:
+    cfg, sides = data["config"], data["sides"]
+    m = data["machine"]
+    lines = [f"# Ours against TRL's GRPOTrainer on calc-agent ({cfg['budget_s']:.0f} s each)", "",
+             f"Machine: {m['cpu']}, {m['cores']} cores, {m['mem_gib']} GiB, no GPU; {m['platform']}. "
+             f"Date: {data['date']}. trl {sides.get('trl', {}).get('trl', '?')}, torch {m['torch']}, transformers "
+             f"{m['transformers']}. Warm start: `{cfg['warm']}` ({data.get('warmup', '')}).", "",
+             f"Command: `{data['command']}`", ""]
+    for side, name in (("ours", "ours"), ("trl", "TRL")):
+        r = sides.get(side)
+        if not r:
+            continue
+        lines += [f"- {name}: `{r['command']}`", f"  - generation: {r['backend']}",
+                  f"  - started {r['started']}, load average {r['load_before']} before, {r['load_after']} after; "
+                  f"stopped at {r['stopped_at_s'] or 0:.0f} s, {r['updates']} policy updates, "
+                  f"{r['wall_s']:.0f} s in all (the last evaluation included)"]
+    lines += ["", "## Held-out accuracy against wall-clock seconds", "",
+              "A point's seconds are when its weights existed (ours: the learner published the version; TRL: the "
+              "optimizer step ended), from the side's start; `scored at` is when its evaluation ended.", "",
+              "| side | policy updates | seconds | held-out greedy | turns | evaluation took (s) | scored at (s) |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
+    for side, name in (("ours", "ours"), ("trl", "TRL")):
+        for p in (sides.get(side) or {}).get("points", []):
+            secs = "–" if p["seconds"] is None else f"{p['seconds']:.0f}"
+            turns = "–" if p.get("turns") is None else f"{p['turns']:.2f}"
+            ev = "–" if p.get("eval_s") is None else f"{p['eval_s']:.0f}"
+            lines.append(f"| {name} | {p['update']} | {secs} | {p['accuracy']:.3f} | {turns} | {ev} | "
+                         f"{p['scored_at']:.0f} |")
+    lines += ["", "## Result", "", *comparison(data), ""]
+    for side, name in (("ours", "ours"), ("trl", "TRL")):
+        r = sides.get(side)
+        if r and r["steps"]:
+            rewards = ", ".join(f"{s['reward']:.3f}" for s in r["steps"])
+            lines.append(f"Training reward per step, {name} ({len(r['steps'])} steps): {rewards}.")
+    lines += ["", f"![accuracy against seconds]({Path(cfg['out']).with_suffix('.png').name})", "",
+              "Notes on this run: [peer_trl_notes.md](peer_trl_notes.md).", ""]
+    return "\n".join(lines)
+
+
+def machine() -> dict:
+    import torch
+    import transformers
+
+    info = Path("/proc/cpuinfo").read_text().splitlines()
+    cpu = next((x.split(":", 1)[1].strip() for x in info if x.startswith("model name")), platform.processor())
+    flags = next((x.split(":", 1)[1].split() for x in info if x.startswith("flags")), [])
+    if "avx512_bf16" in flags:
+        cpu += " (AVX-512 BF16)"
+    mem = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30)
+    return {"cpu": cpu, "cores": os.cpu_count(), "mem_gib": mem, "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "platform": f"{platform.machine()}, {torch.backends.cpu.get_cpu_capability()}"}
+
+
+def write(data: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(data, indent=1, default=str))
+    out.write_text(markdown(data))
+    plot(data, out.with_suffix(".png"))
+    say(f"wrote {out}, {out.with_suffix('.json')}, {out.with_suffix('.png')}")
+
+
+def main(cfg: PeerConfig) -> None:
+    if cfg.worker:
+        return trl_worker(cfg)
+    saved = json.loads(cfg.out.with_suffix(".json").read_text()) if cfg.out.with_suffix(".json").exists() else None
+    if cfg.replot:
+        return write(saved, cfg.out)
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    if "trl" in cfg.sides and not cfg.peer_python.exists():
+        raise SystemExit(f"{cfg.peer_python} not found: `make peer-env` builds it")
+    warm = warm_folder(cfg)
+    say(f"warm start: {warm}")
+    record = Path(warm, "warmup.json")
+    warmup = json.loads(record.read_text())["summary"] if record.exists() else "not a sao warmup folder"
+    data = {"command": cfg.command or shlex.join(["python", "bench/peer_trl.py", *sys.argv[1:]]),
+            "date": datetime.date.today().isoformat(), "machine": machine(), "warmup": f"sao warmup: {warmup}",
+            "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()} | {"warm": warm},
+            "sides": dict((saved or {}).get("sides", {}))}
+    for side in cfg.sides:
+        data["sides"][side] = run_ours(cfg, warm) if side == "ours" else run_trl(cfg, warm)
+        r = data["sides"][side]
+        say(f"{side}: " + ", ".join(f"update {p['update']} at {p['seconds'] or 0:.0f} s: {p['accuracy']:.3f}"
+                                    for p in r["points"]) + f" ({r['wall_s']:.0f} s in all)")
+        write(data, cfg.out)  # after each side: a later failure keeps what finished
+    for line in comparison(data):
+        say(line)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(PeerConfig))
