@@ -24,15 +24,17 @@ import shutil
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.async_stability import ALGORITHMS  # noqa: E402
+import tyro  # noqa: E402
+
+from bench.async_stability import ALGORITHMS, Algorithm  # noqa: E402
 from bench.loop import finite_mean  # noqa: E402
 from bench.pretrain import pretrained_start  # noqa: E402
-from bench.report import command_line  # noqa: E402
 from sao.broker import BrokerConfig, cluster  # noqa: E402
 from sao.report import load_steps  # noqa: E402
 from sao.up import UpConfig, run_up  # noqa: E402
@@ -40,6 +42,32 @@ from schemas.kafka import KafkaConfig  # noqa: E402
 
 GROUP = 8  # rollouts per prompt of the GRPO variants, as in the sweep
 EDGE = 20  # steps in the first and last reward windows
+
+
+@dataclass(kw_only=True)
+class AsyncPipelineConfig:
+    """The runs; `main` picks `steps` and `start` from `quick` where they are left None."""
+
+    quick: bool = False
+    """20 steps per method, quick start"""
+    steps: int | None = None
+    """learner steps per method (default 150)"""
+    algorithms: tuple[Algorithm, ...] = ALGORITHMS
+    """methods to run, one `sao up` each"""
+    max_staleness: int = 4
+    """the learner's staleness bound"""
+    producers: int = 2
+    """producer processes"""
+    batch: int = 16
+    """trajectories per step, a multiple of 8"""
+    lr: float = 3e-3
+    """policy and critic learning rate"""
+    start: Path | None = None
+    """transformers folder (default: bench/pretrain.py's)"""
+    run_dir: Path = Path("runs/async_pipeline")
+    """each method's run folder, <run-dir>/<method>"""
+    out: Path = Path("bench/results/async_pipeline")
+    """writes OUT.md"""
 
 
 def summary(steps: list[dict]) -> dict[str, str]:
@@ -57,18 +85,7 @@ def summary(steps: list[dict]) -> dict[str, str]:
 
 
 def main() -> None:
-    parser = command_line(__doc__)
-    parser.add_argument("--quick", action="store_true", help="20 steps per method, quick start")
-    parser.add_argument("--steps", type=int, help="learner steps per method (default 150)")
-    parser.add_argument("--algorithms", nargs="+", default=ALGORITHMS, choices=ALGORITHMS)
-    parser.add_argument("--max-staleness", type=int, default=4, help="the learner's staleness bound")
-    parser.add_argument("--producers", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=16, help="trajectories per step, a multiple of 8")
-    parser.add_argument("--lr", type=float, default=3e-3, help="policy and critic learning rate")
-    parser.add_argument("--start", type=Path, help="transformers folder (default: bench/pretrain.py's)")
-    parser.add_argument("--run-dir", type=Path, default=Path("runs/async_pipeline"))
-    parser.add_argument("--out", type=Path, default=Path("bench/results/async_pipeline"))
-    args = parser.parse_args()
+    args = tyro.cli(AsyncPipelineConfig, description=__doc__)
     steps = args.steps or (20 if args.quick else 150)
     start = (args.start or pretrained_start("llama", quick=args.quick)).resolve()
     config = (f"{start.name} on toy-target, {steps} steps x {args.batch} trajectories, "

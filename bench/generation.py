@@ -23,7 +23,9 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -31,8 +33,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import httpx  # noqa: E402
 import torch  # noqa: E402
+import tyro  # noqa: E402
 
-from bench.report import command_line  # noqa: E402
 from producers.envs.chat import Chat  # noqa: E402
 from producers.generate.base import SamplingParams  # noqa: E402
 from producers.generate.hf import HFGenerator  # noqa: E402
@@ -42,6 +44,24 @@ from producers.models import load_model  # noqa: E402
 from schemas.tokenizers import load_tokenizer  # noqa: E402
 
 QUESTION = "A hall has 12 rows of 18 chairs and 34 people sit down. How many chairs are free?"
+
+
+@dataclass(kw_only=True)
+class GenerationConfig:
+    """The sweep: every backend at every level."""
+
+    models: tuple[str, ...] = ("smollm2",)
+    """models of the hf and http backends"""
+    backends: tuple[Literal["hf", "http", "sim"], ...] = ("hf", "sim")
+    """backends to measure"""
+    concurrency: tuple[int, ...] = (1, 4, 16, 64)
+    """requests in flight, one level each; ratios are to the first"""
+    tokens: int = 64
+    """tokens per request"""
+    sim_token_s: float = 0.002
+    """seconds per token of the sim backend"""
+    threads: int = 1
+    """torch threads; 1 by default because on a shared machine two intra-op threads wait at every barrier for a core another process holds (measured here: 30x slower)"""
 
 
 def tokens_per_s(gen, prompt: list[int], tokens: int, concurrency: int) -> float:
@@ -77,7 +97,7 @@ def start_server(model: str) -> tuple[subprocess.Popen, str]:
         time.sleep(0.5)
 
 
-def sweep(label: str, gen, prompt: list[int], args) -> None:
+def sweep(label: str, gen, prompt: list[int], args: GenerationConfig) -> None:
     base = None
     for n in args.concurrency:
         rate = tokens_per_s(gen, prompt, args.tokens, n)
@@ -86,16 +106,7 @@ def sweep(label: str, gen, prompt: list[int], args) -> None:
 
 
 def main() -> None:
-    ap = command_line(__doc__)
-    ap.add_argument("--models", nargs="+", default=["smollm2"])
-    ap.add_argument("--backends", nargs="+", default=["hf", "sim"], choices=["hf", "http", "sim"])
-    ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16, 64])
-    ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--sim-token-s", type=float, default=0.002)
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads; 1 by default because on a shared machine two intra-op threads "
-                         "wait at every barrier for a core another process holds (measured here: 30x slower)")
-    args = ap.parse_args()
+    args = tyro.cli(GenerationConfig, description=__doc__)
     torch.set_num_threads(args.threads)
     print(f"# bench/generation.py  {datetime.datetime.now().isoformat(timespec='seconds')}")
     print(f"# host: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "

@@ -16,19 +16,30 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.report import command_line  # noqa: E402
 from bench.shapes import SMOLLM2_135M  # noqa: E402
 from learner.logprobs import collate, token_logprobs  # noqa: E402
 from producers.generate.base import SamplingParams  # noqa: E402
 from producers.generate.hf import HFGenerator  # noqa: E402
 from schemas.messages import Trajectory  # noqa: E402
+
+
+@dataclass(kw_only=True)
+class GpuGenerationConfig:
+    """The levels and the request length."""
+
+    concurrency: tuple[int, ...] = (1, 16, 64)
+    """requests in flight, one level each; ratios are to the first"""
+    tokens: int = 128
+    """tokens per request"""
 
 
 def run_level(gen: HFGenerator, n: int, tokens: int, rng: np.random.Generator) -> tuple[float, list]:
@@ -62,10 +73,7 @@ def recompute_gap(model, samples: list) -> float:
 
 
 def main() -> None:
-    ap = command_line(__doc__)
-    ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 16, 64])
-    ap.add_argument("--tokens", type=int, default=128)
-    args = ap.parse_args()
+    args = tyro.cli(GpuGenerationConfig, description=__doc__)
     if not torch.cuda.is_available():
         raise SystemExit("gpu_generation needs CUDA; on CPU use bench/generation.py")
     from transformers import LlamaForCausalLM

@@ -19,14 +19,15 @@ from __future__ import annotations
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.report import command_line  # noqa: E402
 from bench.shapes import LLAMA_1B, SMOLLM2_135M, synthetic  # noqa: E402
 from learner.logprobs import collate, model_inputs, target_logprobs, token_logprobs  # noqa: E402
 from learner.models import build_models, tiny_llama, tiny_qwen3_moe  # noqa: E402
@@ -34,6 +35,30 @@ from learner.parallel import ParallelConfig, init_distributed  # noqa: E402
 from learner.update import SAOUpdate, UpdateConfig  # noqa: E402
 
 SHAPES = {"smollm2-135m": SMOLLM2_135M, "llama-1b": LLAMA_1B}
+
+
+@dataclass(kw_only=True)
+class GpuLearnerConfig:
+    """The models and the step shape, the same on every rank."""
+
+    models: str = "smollm2-135m,llama-1b"
+    """comma-separated, of SHAPES: smollm2-135m, llama-1b"""
+    steps: int = 3
+    """timed steps per model, after one warm-up step"""
+    batch: int = 64
+    """trajectories per step"""
+    length: int = 2048
+    """tokens per trajectory"""
+    micro_batch_tokens: int = 16384
+    """the learner's micro-batch token budget"""
+    chunk_tokens: int = 2048
+    """tokens per chunk of the log-probs"""
+    activation_checkpointing: bool = False
+    """recompute activations in the backward"""
+    peak_tflops: float = 989.0
+    """bf16 dense peak per GPU"""
+    skip_check: bool = False
+    """skip the correctness check"""
 
 
 def say(*args) -> None:
@@ -79,7 +104,7 @@ def model_flops_per_token(config, length: int, critic_updates: int) -> float:
     return policy + critic
 
 
-def bench_shape(name: str, args, device: torch.device) -> None:
+def bench_shape(name: str, args: GpuLearnerConfig, device: torch.device) -> None:
     from transformers import LlamaForCausalLM
     config = SHAPES[name]
     torch.manual_seed(0)
@@ -116,17 +141,7 @@ def bench_shape(name: str, args, device: torch.device) -> None:
 
 
 def main() -> None:
-    ap = command_line(__doc__)
-    ap.add_argument("--models", default="smollm2-135m,llama-1b", help=f"comma-separated, of {list(SHAPES)}")
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--length", type=int, default=2048)
-    ap.add_argument("--micro-batch-tokens", type=int, default=16384)
-    ap.add_argument("--chunk-tokens", type=int, default=2048)
-    ap.add_argument("--activation-checkpointing", action="store_true")
-    ap.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak per GPU")
-    ap.add_argument("--skip-check", action="store_true", help="skip the correctness check")
-    args = ap.parse_args()
+    args = tyro.cli(GpuLearnerConfig, description=__doc__)
     if not torch.cuda.is_available():
         raise SystemExit("gpu_learner needs CUDA (none found); on CPU use bench/learner_scaling.py")
     rank, world, device = init_distributed("cuda")

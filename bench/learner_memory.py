@@ -17,16 +17,30 @@ import os
 import platform
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.report import command_line  # noqa: E402
 from bench.rss import PeakRSS  # noqa: E402
 
 
-def step_memory(args, chunk_tokens: int, out) -> None:
+@dataclass(kw_only=True)
+class LearnerMemoryConfig:
+    """The step measured, the same for both variants."""
+
+    length: int = 4096
+    """tokens of the step's one trajectory"""
+    layers: int = 4
+    """depth of the SmolLM2-135M shape (30 in SmolLM2)"""
+    chunk_tokens: int = 1024
+    """tokens per log-prob chunk of the chunked variant"""
+    threads: int = 2
+    """torch CPU threads of each child"""
+
+
+def step_memory(args: LearnerMemoryConfig, chunk_tokens: int, out) -> None:
     """Runs in a child: (bytes before the step, peak bytes during it) of the second step."""
     import torch
     from transformers import LlamaForCausalLM
@@ -52,7 +66,7 @@ def step_memory(args, chunk_tokens: int, out) -> None:
     out.put((memory.before, memory.peak, time.perf_counter() - t0))
 
 
-def measure(args, chunk_tokens: int) -> tuple[int, int, float]:
+def measure(args: LearnerMemoryConfig, chunk_tokens: int) -> tuple[int, int, float]:
     ctx = multiprocessing.get_context("spawn")
     q = ctx.Queue()
     p = ctx.Process(target=step_memory, args=(args, chunk_tokens, q))
@@ -63,12 +77,9 @@ def measure(args, chunk_tokens: int) -> tuple[int, int, float]:
 
 
 def main() -> None:
-    ap = command_line(__doc__)
-    ap.add_argument("--length", type=int, default=4096)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--chunk-tokens", type=int, default=1024)
-    ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args()
+    import tyro  # not at the top: the spawned children import this module, and their memory is measured
+
+    args = tyro.cli(LearnerMemoryConfig, description=__doc__)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # the children's RSS tracks live tensors (bench/rss.py)
     full = measure(args, 1 << 30)  # one chunk: every action token's float32 logits at once

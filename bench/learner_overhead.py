@@ -35,23 +35,57 @@ import sys
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+import tyro
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.report import command_line  # noqa: E402
 from bench.shapes import synthetic  # noqa: E402
 from learner.models import ModelConfig, build_models, build_policy  # noqa: E402
 from learner.parallel import ParallelConfig, init_distributed  # noqa: E402
 from learner.update import SAOUpdate, UpdateConfig  # noqa: E402
 from sao.broker import BrokerConfig, EmbeddedBroker  # noqa: E402
 from schemas import topics as T  # noqa: E402
+from schemas.config import ConfigError  # noqa: E402
 from schemas.kafka import KafkaConfig, ensure_topics, make_producer, produce  # noqa: E402
 from schemas.messages import Trajectory  # noqa: E402
+
+PATHS = ("defaults", "every", "no-ckpt", "files", "no-pub")  # the service paths' keys, as `--paths` names them
+
+
+@dataclass(kw_only=True)
+class LearnerOverheadConfig:
+    """The model, the steps and which service paths run."""
+
+    steps: int = 21
+    """21: the timed window (steps 2..21) holds two default checkpoints (every 10)"""
+    batch: int = 16
+    """trajectories per step"""
+    length: int = 256
+    """tokens per trajectory"""
+    hidden: int = 256
+    """width of the tiny Llama"""
+    layers: int = 4
+    """depth of the tiny Llama"""
+    vocab: int = 2048
+    """vocabulary of the tiny Llama"""
+    repeats: int = 3
+    """runs of each path, taking turns; the fastest counts"""
+    service_flags: str = ""
+    """extra `sao learner` flags, space separated"""
+    paths: str = ",".join(PATHS)
+    """service paths to run, comma separated, of: defaults, every, no-ckpt, files, no-pub"""
+    threads: int = 0
+    """intra-op threads of the training, bare and service alike (0: torch's default)"""
+
+    def __post_init__(self):
+        if unknown := set(self.paths.split(",")) - set(PATHS):
+            raise ConfigError(f"--paths: unknown {sorted(unknown)}; known: {', '.join(PATHS)}")
 
 
 def bare_loop(trajs: list[Trajectory], model: ModelConfig, update: UpdateConfig, batch: int) -> list[float]:
@@ -93,21 +127,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 def main() -> None:
-    ap = command_line(__doc__)
-    ap.add_argument("--steps", type=int, default=21,
-                    help="21: the timed window (steps 2..21) holds two default checkpoints (every 10)")
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--length", type=int, default=256)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=2048)
-    ap.add_argument("--repeats", type=int, default=3, help="runs of each path, taking turns; the fastest counts")
-    ap.add_argument("--service-flags", default="", help="extra `sao learner` flags, space separated")
-    ap.add_argument("--paths", default="defaults,every,no-ckpt,files,no-pub",
-                    help="service paths to run, comma separated, of: defaults, every, no-ckpt, files, no-pub")
-    ap.add_argument("--threads", type=int, default=0,
-                    help="intra-op threads of the training, bare and service alike (0: torch's default)")
-    args = ap.parse_args()
+    args = tyro.cli(LearnerOverheadConfig, description=__doc__)
     env = {}
     if args.threads:  # the bare loop runs in this process, the service in its own
         torch.set_num_threads(args.threads)
@@ -131,8 +151,6 @@ def main() -> None:
              "no-pub": ("  the same, no checkpoint, no publication",
                         [*flags, "--checkpoint-every", never, "--publish-every", never])}
     chosen = args.paths.split(",")
-    if unknown := set(chosen) - set(paths):
-        ap.error(f"--paths: unknown {sorted(unknown)}; known: {', '.join(paths)}")
     cases = dict(paths[key] for key in paths if key in chosen)
     runs, bares = {name: [] for name in cases}, []
     broker_cpu: dict[str, list[float]] = {name: [] for name in cases}  # per step, each run

@@ -17,6 +17,7 @@ import os
 import platform
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -24,13 +25,27 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+import tyro  # noqa: E402
 
-from bench.report import command_line  # noqa: E402
 from bench.rollouts import smollm2_rollouts  # noqa: E402
 from learner.models import ModelConfig, build_models, build_policy  # noqa: E402
 from learner.parallel import ParallelConfig, init_distributed  # noqa: E402
 from learner.update import SAOUpdate, UpdateConfig  # noqa: E402
 from schemas.process import native_bf16  # noqa: E402
+
+
+@dataclass(kw_only=True)
+class LearnerPrecisionConfig:
+    """The steps each precision runs."""
+
+    steps: int = 4
+    """SAO steps per precision"""
+    batch: int = 8
+    """cached rollouts per step"""
+    threads: int = 2
+    """torch CPU threads"""
+    out: Path = REPO / "bench" / "results" / "learner_precision.md"
+    """where the table goes"""
 
 
 def run(parallel: ParallelConfig, trajs, steps: int, batch: int) -> dict:
@@ -53,12 +68,7 @@ def run(parallel: ParallelConfig, trajs, steps: int, batch: int) -> dict:
 
 
 def main() -> None:
-    ap = command_line(__doc__)
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "learner_precision.md")
-    args = ap.parse_args()
+    args = tyro.cli(LearnerPrecisionConfig, description=__doc__)
     torch.set_num_threads(args.threads)
     trajs = smollm2_rollouts(args.steps * args.batch)
     native = "native bf16" if native_bf16() else "no native bf16"

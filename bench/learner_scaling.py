@@ -20,24 +20,45 @@ import platform
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import tyro
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.report import command_line  # noqa: E402
 from bench.shapes import synthetic  # noqa: E402
 from learner.models import ModelConfig, build_models, build_policy  # noqa: E402
 from learner.parallel import ParallelConfig, init_distributed  # noqa: E402
 from learner.update import SAOUpdate, UpdateConfig  # noqa: E402
 
 
-def _worker(rank: int, world: int, port: int, threads: int, args, budget: int, gather_once: bool | None,
-            out: str) -> None:
+@dataclass(kw_only=True)
+class LearnerScalingConfig:
+    """The model and the steps, the same for every configuration."""
+
+    steps: int = 3
+    """timed steps per configuration, after one warm-up step"""
+    batch: int = 16
+    """trajectories per step"""
+    length: int = 512
+    """longest trajectory; lengths vary down to half"""
+    hidden: int = 256
+    """width of the tiny Llama"""
+    layers: int = 4
+    """depth of the tiny Llama"""
+    vocab: int = 2048
+    """vocabulary of the tiny Llama"""
+    micro_batch_tokens: int = 1024
+    """the learner's micro-batch token budget"""
+
+
+def _worker(rank: int, world: int, port: int, threads: int, args: LearnerScalingConfig, budget: int,
+            gather_once: bool | None, out: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads)
@@ -60,7 +81,8 @@ def _worker(rank: int, world: int, port: int, threads: int, args, budget: int, g
     dist.destroy_process_group()
 
 
-def tokens_per_s(world: int, threads: int, args, budget: int, gather_once: bool | None = None) -> float:
+def tokens_per_s(world: int, threads: int, args: LearnerScalingConfig, budget: int,
+                 gather_once: bool | None = None) -> float:
     from sao.broker import free_port
     with tempfile.NamedTemporaryFile() as f:
         mp.spawn(_worker, args=(world, free_port(), threads, args, budget, gather_once, f.name), nprocs=world)
@@ -68,15 +90,7 @@ def tokens_per_s(world: int, threads: int, args, budget: int, gather_once: bool 
 
 
 def main() -> None:
-    ap = command_line(__doc__)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--length", type=int, default=512, help="longest trajectory; lengths vary down to half")
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=2048)
-    ap.add_argument("--micro-batch-tokens", type=int, default=1024)
-    args = ap.parse_args()
+    args = tyro.cli(LearnerScalingConfig, description=__doc__)
     b = args.micro_batch_tokens
     one = tokens_per_s(1, 1, args, b)
     two = tokens_per_s(2, 1, args, b)

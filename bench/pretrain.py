@@ -40,11 +40,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+import tyro  # noqa: E402
 from safetensors.torch import save_model  # noqa: E402
 from torch import nn  # noqa: E402
 
 from bench.loop import TASKS  # noqa: E402
-from bench.report import command_line  # noqa: E402
 from learner.models import ModelConfig, build_policy, tiny_llama, tiny_qwen3_moe  # noqa: E402
 from producers.envs import make_env  # noqa: E402
 from producers.envs.toy import BOS, FIRST, SEP  # noqa: E402
@@ -92,6 +92,24 @@ QUICK = 10  # --quick trains a tenth of the steps: for the tiny models enough fo
 # 135M parameters: a smaller rate and fewer, smaller steps (~3 s each on one shared CPU core). Measured:
 # not enough yet, its answer loss 3.99 against the tiny models' 3.58 and no more success than untrained
 KIND_DEFAULTS = {"smollm2": {"lr": 3e-4, "steps": 150, "batch": 16}}
+
+
+@dataclass(kw_only=True)
+class PretrainCommand:
+    """The command line: which starting point, where, and the reward check after it."""
+
+    kind: Kind = "llama"
+    """llama (tiny dense) | qwen3_moe (tiny MoE) | smollm2 (SmolLM2-135M-Instruct, from the GGUF)"""
+    quick: bool = False
+    """train 1/10 of the steps (QUICK)"""
+    out: Path | None = None
+    """folder to write (default: the cache)"""
+    episodes: int = 256
+    """episodes per task of the reward check"""
+    threads: int = 1
+    """torch CPU threads"""
+    folder_only: bool = False
+    """print only the folder (trained first unless cached), no reward check: `make run-tiny`"""
 
 
 # ---------------------------------------------------------------------------- the text
@@ -251,15 +269,7 @@ def pretrained_start(kind: Kind = "llama", *, quick: bool = False, out: Path | N
 
 
 def main() -> None:
-    parser = command_line(__doc__)
-    parser.add_argument("--kind", default="llama", choices=["llama", "qwen3_moe", "smollm2"])
-    parser.add_argument("--quick", action="store_true", help=f"train 1/{QUICK} of the steps")
-    parser.add_argument("--out", type=Path, help="folder to write (default: the cache)")
-    parser.add_argument("--episodes", type=int, default=256, help="episodes per task of the reward check")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    parser.add_argument("--folder-only", action="store_true",
-                        help="print only the folder (trained first unless cached), no reward check: `make run-tiny`")
-    args = parser.parse_args()
+    args = tyro.cli(PretrainCommand, description=__doc__)
     torch.set_num_threads(args.threads)
     if args.folder_only:
         print(pretrained_start(args.kind, quick=args.quick, out=args.out))

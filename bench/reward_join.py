@@ -31,14 +31,15 @@ import tempfile
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.kafka_path import BYTES_PER_TOKEN, run_case  # noqa: E402
-from bench.report import command_line  # noqa: E402
 from consumers.rewards import RewardPublisher  # noqa: E402
 from sao.broker import BrokerConfig, EmbeddedBroker  # noqa: E402
 from sao.demo import random_trajectory  # noqa: E402
@@ -46,6 +47,24 @@ from schemas import topics as T  # noqa: E402
 from schemas.kafka import KafkaConfig, ensure_topics, make_consumer, make_producer, produce  # noqa: E402
 from schemas.messages import Reward  # noqa: E402
 from tests.consumers.util import counts, joiner, wait_until  # noqa: E402
+
+
+@dataclass(kw_only=True)
+class RewardJoinConfig:
+    """The bursts, the paced runs and the joiners."""
+
+    count: int = 3000
+    """trajectories of the 4 KB burst (256 KB: count/10)"""
+    warmup: int = 10000
+    """trajectories of the 4 KB warm-up burst before each measured one (256 KB: warmup/10)"""
+    paced: int = 200
+    """trajectories of each paced latency run"""
+    instances: int = 1
+    """joiner processes sharing the partitions"""
+    profile: bool = False
+    """sample the joiner with py-spy during each burst"""
+    exactly_once: bool = False
+    """run the joiner with faust's transactions"""
 
 
 def cpu_seconds(pids: list[int]) -> float:
@@ -178,15 +197,7 @@ def joined_case(cfg: KafkaConfig, size: int, count: int, warmup: int, paced: int
 
 
 def main() -> None:
-    ap = command_line(__doc__)
-    ap.add_argument("--count", type=int, default=3000, help="trajectories of the 4 KB burst (256 KB: count/10)")
-    ap.add_argument("--warmup", type=int, default=10000,
-                    help="trajectories of the 4 KB warm-up burst before each measured one (256 KB: warmup/10)")
-    ap.add_argument("--paced", type=int, default=200, help="trajectories of each paced latency run")
-    ap.add_argument("--instances", type=int, default=1, help="joiner processes sharing the partitions")
-    ap.add_argument("--profile", action="store_true", help="sample the joiner with py-spy during each burst")
-    ap.add_argument("--exactly-once", action="store_true", help="run the joiner with faust's transactions")
-    args = ap.parse_args()
+    args = tyro.cli(RewardJoinConfig, description=__doc__)
     broker = None if "SAO_KAFKA_BOOTSTRAP" in os.environ else EmbeddedBroker(BrokerConfig(port=0)).start()
     bootstrap = os.environ.get("SAO_KAFKA_BOOTSTRAP") or broker.bootstrap
     cpu = {"broker": [n.proc.pid for n in broker.nodes] if broker else [], "client": [os.getpid()]}

@@ -27,13 +27,16 @@ import sys
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
+import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.report import command_line, save_figure  # noqa: E402
+from bench.report import save_figure  # noqa: E402
 from consumers.control import set_criterion  # noqa: E402
 from consumers.judge import completion_text  # noqa: E402
 from consumers.judges import STYLES  # noqa: E402
@@ -46,12 +49,36 @@ from tests.consumers.util import Service, read_topic, wait_until  # noqa: E402
 METHODS = {"sao": ["--update.algorithm", "sao"],
            "running_mean": ["--update.algorithm", "running_mean", "--update.running-mean-scope", "global",
                             "--update.running-mean-window", "128"]}
-MODELS = {"tiny": (["--model", "tiny-llama-bytes"], ["--model.name", "tiny-llama", "--model.vocab-size", "260"]),
-          "smollm2": (["--model", "smollm2"], ["--model.name", "smollm2"])}
+Model = Literal["smollm2", "tiny"]
+MODELS: dict[Model, tuple[list[str], list[str]]] = {  # the producer's and judge's flags, the learner's
+    "tiny": (["--model", "tiny-llama-bytes"], ["--model.name", "tiny-llama", "--model.vocab-size", "260"]),
+    "smollm2": (["--model", "smollm2"], ["--model.name", "smollm2"])}
 TRAIL = 5
 
 
-def train(bootstrap: str, method: str, args, run_dir: Path) -> tuple[list[dict], dict]:
+@dataclass(kw_only=True)
+class StyleShiftConfig:
+    """The phases, the model and the training of both methods."""
+
+    styles: tuple[str, ...] = ("uppercase", "digits", "lowercase")
+    """the rewarded styles in turn (consumers/judges.py STYLES)"""
+    steps_per_phase: int = 80
+    """learner steps under each style"""
+    batch: int = 16
+    """trajectories per step, and episodes in flight in the producer"""
+    max_tokens: int = 16
+    """most tokens per completion"""
+    lr: float = 3e-3
+    """policy and critic learning rate"""
+    model: Model = "tiny"
+    """tiny: a byte-level tiny Llama; smollm2: SmolLM2-135M"""
+    timeout: float = 3600.0
+    """seconds one method's run may take"""
+    out: Path = Path("bench/results/style_shift.png")
+    """where the PNG goes"""
+
+
+def train(bootstrap: str, method: str, args: StyleShiftConfig, run_dir: Path) -> tuple[list[dict], dict]:
     """One method's run; the learner's step metrics and the trained trajectories by id."""
     kafka = KafkaConfig(bootstrap=bootstrap, topic_prefix=f"style{uuid.uuid4().hex[:6]}")
     ensure_topics(kafka)
@@ -96,7 +123,7 @@ def _ended(procs: dict) -> bool:
     return procs["learner"].p.poll() is not None or any(p.p.poll() not in (None, 0) for p in procs.values())
 
 
-def per_step(metrics: list[dict], trajs: dict, tokenizer, styles: list[str]) -> dict[str, np.ndarray]:
+def per_step(metrics: list[dict], trajs: dict, tokenizer, styles: tuple[str, ...]) -> dict[str, np.ndarray]:
     """Each step's reward, its share of each style, and the index of its majority criterion."""
     reward, shares, phase = [], {s: [] for s in styles}, []
     for m in metrics:
@@ -128,7 +155,7 @@ def phase_table(curve: dict) -> list[tuple[int, float, int | None]]:
     return rows
 
 
-def plot(curves: dict, styles: list[str], path: Path) -> None:
+def plot(curves: dict, styles: tuple[str, ...], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -151,16 +178,7 @@ def plot(curves: dict, styles: list[str], path: Path) -> None:
 
 
 def main() -> None:
-    ap = command_line(__doc__)
-    ap.add_argument("--styles", nargs="+", default=["uppercase", "digits", "lowercase"])
-    ap.add_argument("--steps-per-phase", type=int, default=80)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--model", choices=sorted(MODELS), default="tiny")
-    ap.add_argument("--timeout", type=float, default=3600.0, help="seconds one method's run may take")
-    ap.add_argument("--out", type=Path, default=Path("bench/results/style_shift.png"))
-    args = ap.parse_args()
+    args = tyro.cli(StyleShiftConfig, description=__doc__)
     broker = None if "SAO_KAFKA_BOOTSTRAP" in os.environ else EmbeddedBroker(BrokerConfig(port=0)).start()
     bootstrap = os.environ.get("SAO_KAFKA_BOOTSTRAP") or broker.bootstrap
     tokenizer = load_tokenizer(MODELS[args.model][0][1])

@@ -33,16 +33,17 @@ import sys
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
+import tyro  # noqa: E402
 from confluent_kafka import KafkaException  # noqa: E402
 from confluent_kafka.admin import AdminClient  # noqa: E402
 
-from bench.report import command_line  # noqa: E402
 from learner.source import group_id  # noqa: E402
 from producers.generate.sim import SimConfig, output_length  # noqa: E402
 from sao.broker import BrokerConfig, EmbeddedBroker  # noqa: E402
@@ -51,6 +52,26 @@ from schemas.kafka import KafkaConfig, consumer_error, ensure_topics, make_consu
 from schemas.messages import Prompt, Trajectory  # noqa: E402
 
 PROMPTS, GROUP = 16, 8  # per learner step: 16 prompts x 8 rollouts
+
+
+@dataclass(kw_only=True)
+class ThroughputConfig:
+    """The producers, their simulated lengths and the steps, the same for both modes."""
+
+    steps: int = 8
+    """learner steps per mode (128 trajectories each)"""
+    producers: int = 2
+    """`sao producer --backend sim` processes"""
+    concurrency: int = 64
+    """episodes in flight per producer"""
+    median_tokens: float = 40.0
+    """median of the lognormal output lengths"""
+    sigma: float = 1.0
+    """σ of the lognormal output lengths"""
+    max_tokens: int = 240
+    """tiny-llama's context is 256 positions"""
+    token_s: float = 0.05
+    """seconds per simulated token"""
 
 
 def spawn(kafka: KafkaConfig, log: Path, *args: str) -> subprocess.Popen:
@@ -108,7 +129,7 @@ def steps_done(run_dir: Path) -> list[dict]:
     return [m for m in map(json.loads, path.read_text().splitlines()) if "perf/step_s" in m]
 
 
-def run_mode(mode: str, broker: str, args, work: Path) -> dict:
+def run_mode(mode: str, broker: str, args: ThroughputConfig, work: Path) -> dict:
     kafka = KafkaConfig(bootstrap=broker, topic_prefix=f"bench{uuid.uuid4().hex[:8]}")
     ensure_topics(kafka)
     run_dir = work / mode
@@ -149,7 +170,7 @@ def run_mode(mode: str, broker: str, args, work: Path) -> dict:
             "learner busy": sum(s["perf/step_s"] for s in steps[1:]) / window}
 
 
-def physical_limit(args) -> float:
+def physical_limit(args: ThroughputConfig) -> float:
     """Trajectories/s with every slot always generating: slots / E[episode seconds]."""
     cfg, rng = SimConfig(median_tokens=args.median_tokens, sigma=args.sigma), np.random.default_rng(0)
     mean_tokens = np.mean([output_length(rng, cfg, args.max_tokens) for _ in range(200_000)])
@@ -157,15 +178,7 @@ def physical_limit(args) -> float:
 
 
 def main() -> None:
-    ap = command_line(__doc__)
-    ap.add_argument("--steps", type=int, default=8, help="learner steps per mode (128 trajectories each)")
-    ap.add_argument("--producers", type=int, default=2)
-    ap.add_argument("--concurrency", type=int, default=64)
-    ap.add_argument("--median-tokens", type=float, default=40)
-    ap.add_argument("--sigma", type=float, default=1.0)
-    ap.add_argument("--max-tokens", type=int, default=240, help="tiny-llama's context is 256 positions")
-    ap.add_argument("--token-s", type=float, default=0.05)
-    args = ap.parse_args()
+    args = tyro.cli(ThroughputConfig, description=__doc__)
     print(f"# bench/throughput.py  {datetime.datetime.now().isoformat(timespec='seconds')}")
     print(f"# host: {platform.machine()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start")
     print(f"# {args.producers} sim producers x {args.concurrency} in flight, lengths lognormal(median "

@@ -20,6 +20,7 @@ import os
 import platform
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,10 +29,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+import tyro  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from bench.generation import QUESTION, tokens_per_s  # noqa: E402
-from bench.report import command_line  # noqa: E402
 from producers.envs.chat import Chat  # noqa: E402
 from producers.generate.base import SamplingParams  # noqa: E402
 from producers.generate.hf import HFGenerator  # noqa: E402
@@ -40,6 +41,18 @@ from producers.models import engine_folder, load_model  # noqa: E402
 from schemas.tokenizers import load_tokenizer  # noqa: E402
 
 PRESETS = {"reasoning": (0.3, 5.0), "coding": (0.8, 3.0)}  # (eps_low, eps_high), docs/algorithm.md §3
+
+
+@dataclass(kw_only=True)
+class VLLMGenerationConfig:
+    """The levels, the request length and where the tables go."""
+
+    concurrency: tuple[int, ...] = (1, 4, 16)
+    """requests in flight, one level each; ratios are of the last to the first"""
+    tokens: int = 64
+    """tokens per request"""
+    out: Path = REPO / "bench" / "results" / "vllm_generation.md"
+    """where the tables go"""
 
 
 def kept(gaps_signed: np.ndarray, eps: tuple[float, float]) -> float:
@@ -80,11 +93,7 @@ def pause_with_requests_in_flight(gen: VLLMGenerator, prompt: list[int], path: s
 
 
 def main() -> None:
-    ap = command_line(__doc__)
-    ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16])
-    ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "vllm_generation.md")
-    args = ap.parse_args()
+    args = tyro.cli(VLLMGenerationConfig, description=__doc__)
     torch.set_num_threads(1)  # the hf backend's best on a shared 2-core machine (bench/generation.py)
     head = (f"SmolLM2-135M-Instruct, {args.tokens} tokens per request, T = 1 [{platform.machine()} "
             f"{torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f} at start, {datetime.date.today()}]")

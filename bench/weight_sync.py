@@ -38,14 +38,15 @@ import tempfile
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+import tyro  # noqa: E402
 
-from bench.report import command_line  # noqa: E402
 from bench.shapes import synthetic  # noqa: E402
 from learner.models import tiny_llama  # noqa: E402
 from producers.generate.base import SamplingParams  # noqa: E402
@@ -55,6 +56,28 @@ from schemas import topics as T  # noqa: E402
 from schemas.kafka import KafkaConfig, ensure_topics, make_consumer, make_producer, produce  # noqa: E402
 from schemas.messages import Weights  # noqa: E402
 from schemas.weights.follow import FollowConfig, WeightSubscriber  # noqa: E402
+
+
+@dataclass(kw_only=True)
+class WeightSyncConfig:
+    """The learner's model and steps, the same for every case."""
+
+    steps: int = 20
+    """learner steps per case"""
+    batch: int = 8
+    """trajectories per step"""
+    length: int = 128
+    """tokens per trajectory"""
+    hidden: int = 512
+    """width of the tiny Llama"""
+    layers: int = 8
+    """depth of the tiny Llama"""
+    vocab: int = 8192
+    """vocabulary of the tiny Llama"""
+    lr: float = 1e-6
+    """policy learning rate (the paper's): it decides how many bf16 elements move per step"""
+    lora_rank: int = 8
+    """rank of the LoRA case (its learning rate 1e-4)"""
 
 
 class Engine:
@@ -115,7 +138,7 @@ def announcements(kafka: KafkaConfig) -> list[Weights]:
     return got
 
 
-def run_case(bootstrap: str, args, flags: list[str], follow: FollowConfig) -> dict:
+def run_case(bootstrap: str, args: WeightSyncConfig, flags: list[str], follow: FollowConfig) -> dict:
     kafka = KafkaConfig(bootstrap=bootstrap, topic_prefix=f"ws{uuid.uuid4().hex[:8]}", settings={})
     ensure_topics(kafka)
     producer = make_producer(kafka)
@@ -171,16 +194,7 @@ def summarise(steps: list[dict], ws: list[Weights], engines: list[Engine]) -> di
 
 
 def main() -> None:
-    ap = command_line(__doc__)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--length", type=int, default=128)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--lr", type=float, default=1e-6)
-    ap.add_argument("--lora-rank", type=int, default=8)
-    args = ap.parse_args()
+    args = tyro.cli(WeightSyncConfig, description=__doc__)
     torch.set_num_threads(1)  # the two producers' engines share this process; the learner has its own
     port = free_port()
     cases = {
