@@ -27,7 +27,9 @@ accuracy.
   transformers path (`model.generate`, batched, on the CPU): TRL's vLLM path needs vllm<=0.31,
   not the CPU build the project uses. Every `--eval-every` steps, and before the first, a callback
   scores the policy on the same 32 held-out problems with the same scorer `sao warmup` uses
-  (`sao.warmup.held_out_score`: greedy, hf); the evaluation pauses training and its time counts in
+  (`sao.warmup.held_out_score`: greedy, hf); both scorers let a held-out episode run
+  `--eval-deadline-s` (calc-agent's 300 s is a limit of training episodes, and a loaded machine
+  pushed held-out episodes past it in a smoke test). The evaluation pauses training and its time counts in
   the budget, as ours' evaluator shares the cores with training. At the budget the step in
   progress finishes and training stops; the last step is then scored if it was not.
 
@@ -85,6 +87,9 @@ class PeerConfig:
     """Held-out problems scored (greedy)."""
     heldout_frac: float = 0.1
     """make run-agent's split."""
+    eval_deadline_s: float = 3600.0
+    """Wall-clock seconds a held-out episode may take, both scorers (`sao eval --episode-deadline-s`;
+    calc-agent's 300 s would score episodes 0 that a loaded machine slowed past it)."""
     max_tokens: int = 96
     """Most new tokens per model turn, both sides."""
     max_turns: int = 8
@@ -160,7 +165,7 @@ def ours_command(cfg: PeerConfig, warm: str, run_dir: Path) -> list[str]:
             "--steps", str(cfg.ours_steps or 1_000_000), "--eval-every", str(cfg.eval_every),
             "--eval-tasks", str(cfg.eval_tasks), "--eval-samples", "0", "--heldout-frac", str(cfg.heldout_frac),
             "--run-dir", str(run_dir), "--no-dashboard", "--final-eval-s", str(cfg.final_eval_s),
-            f"--learner-flags={RUN_AGENT_LEARNER_FLAGS}"]
+            f"--learner-flags={RUN_AGENT_LEARNER_FLAGS}", f"--eval-flags=--episode-deadline-s {cfg.eval_deadline_s:g}"]
 
 
 def learner_pids(up_pid: int) -> list[int]:
@@ -218,7 +223,8 @@ def run_ours(cfg: PeerConfig, warm: str) -> dict:
     for e in load_evaluations(run_dir):
         v = int(e["version"])
         points.append({"update": v, "seconds": published.get(v), "accuracy": e["greedy/mean"],
-                       "turns": e.get("episode/turns"), "eval_s": e.get("seconds"), "scored_at": e["time"] - t0})
+                       "turns": e.get("episode/turns"), "eval_s": e.get("seconds"), "scored_at": e["time"] - t0,
+                       "figures": {k: x for k, x in e.items() if "/" in k}})
     return {"side": "ours", "command": shlex.join(["sao", *cmd[3:]]), "started": before["at"],
             "load_before": before["loadavg"], "load_after": after["loadavg"], "budget_s": cfg.budget_s,
             "stopped_at_s": stopped_at, "wall_s": wall, "exit": proc.returncode,
@@ -307,7 +313,7 @@ def trl_worker(cfg: PeerConfig) -> None:
     out_dir = cfg.run_dir / "trl"
     sandbox = Sandbox(SandboxConfig())
     scorer_tokenizer = load_tokenizer(warm)  # the project's, untouched: the scorer's and the env's
-    env = make_env("calc-agent", tokenizer=scorer_tokenizer, sandbox=sandbox)
+    env = make_env("calc-agent", tokenizer=scorer_tokenizer, sandbox=sandbox, deadline_s=cfg.eval_deadline_s)
 
     tokenizer = load_tokenizer(warm)  # TRL's: the template above, <|im_end|> as EOS, a pad token
     tokenizer.chat_template = chat_template("You are a helpful AI assistant named SmolLM, trained by Hugging Face")
@@ -336,6 +342,8 @@ def trl_worker(cfg: PeerConfig) -> None:
             """
             return format_result(self.session.run(code))  # failures too: the model sees what calc-agent shows
 
+    import producers
+    say(f"TRL worker: project modules from {Path(producers.__file__).parent.parent}, trl {trl.__version__}")
     tasks = list(training_tasks(env, 4000, cfg.heldout_frac, cfg.seed + 1))
     dataset = Dataset.from_list([{"prompt": env.messages(t), "answer": t["answer"]} for t in tasks])
     probe = CalcTool()
@@ -358,7 +366,8 @@ def trl_worker(cfg: PeerConfig) -> None:
         e0 = time.time()
         f = held_out_score(wcfg, model, env, scorer_tokenizer)
         points.append({"update": update, "seconds": seconds, "accuracy": f["greedy/mean"],
-                       "turns": f.get("episode/turns"), "eval_s": time.time() - e0, "scored_at": time.time() - t0})
+                       "turns": f.get("episode/turns"), "eval_s": time.time() - e0, "scored_at": time.time() - t0,
+                       "figures": f})
         say(f"TRL EVAL step {update} at {seconds:.0f} s: greedy/mean {f['greedy/mean']:.3f} turns "
             f"{f.get('episode/turns', float('nan')):.2f} ({time.time() - e0:.0f} s)")
         model.train()
@@ -417,7 +426,7 @@ def run_trl(cfg: PeerConfig, warm: str) -> dict:
     args = [str(cfg.peer_python), str(Path(__file__).resolve()), "--worker", "--worker-out", str(out),
             "--warm", warm, "--budget-s", str(cfg.budget_s), "--eval-every", str(cfg.eval_every),
             "--eval-tasks", str(cfg.eval_tasks), "--heldout-frac", str(cfg.heldout_frac),
-            "--max-tokens", str(cfg.max_tokens), "--max-turns", str(cfg.max_turns), "--batch", str(cfg.batch),
+            "--eval-deadline-s", str(cfg.eval_deadline_s), "--max-tokens", str(cfg.max_tokens), "--max-turns", str(cfg.max_turns), "--batch", str(cfg.batch),
             "--num-generations", str(cfg.num_generations), "--micro-batch", str(cfg.micro_batch), "--lr", str(cfg.lr), "--run-dir", str(cfg.run_dir),
             "--trl-max-steps", str(cfg.trl_max_steps), "--threads", str(cfg.threads), "--seed", str(cfg.seed)]
     before = load()
@@ -511,7 +520,8 @@ def markdown(data: dict) -> str:
     lines = [f"# Ours against TRL's GRPOTrainer on calc-agent ({cfg['budget_s']:.0f} s each)", "",
              f"Machine: {m['cpu']}, {m['cores']} cores, {m['mem_gib']} GiB, no GPU; {m['platform']}. "
              f"Date: {data['date']}. trl {sides.get('trl', {}).get('trl', '?')}, torch {m['torch']}, transformers "
-             f"{m['transformers']}. Warm start: `{cfg['warm']}` ({data.get('warmup', '')}).", "",
+             f"{m['transformers']}. Commit {data.get('commit', '?')}. Warm start: `{cfg['warm']}` "
+             f"({data.get('warmup', '')}).", "",
              f"Command: `{data['command']}`", ""]
     for side, name in (("ours", "ours"), ("trl", "TRL")):
         r = sides.get(side)
@@ -580,7 +590,9 @@ def main(cfg: PeerConfig) -> None:
     say(f"warm start: {warm}")
     record = Path(warm, "warmup.json")
     warmup = json.loads(record.read_text())["summary"] if record.exists() else "not a sao warmup folder"
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
     data = {"command": cfg.command or shlex.join(["python", "bench/peer_trl.py", *sys.argv[1:]]),
+            "commit": commit.strip() or os.environ.get("PEER_COMMIT", "?"),
             "date": datetime.date.today().isoformat(), "machine": machine(), "warmup": f"sao warmup: {warmup}",
             "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()} | {"warm": warm},
             "sides": dict((saved or {}).get("sides", {}))}
