@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from consumers.control import CONTROL
@@ -190,15 +190,20 @@ def upsert_credentials(kafka: KafkaConfig, folder: Path, principals: Iterable[st
         fut.result(timeout)
 
 
-def apply(kafka: KafkaConfig, folder: Path, ca: Path | None, rotate: bool = False, timeout: float = 30.0) -> list[str]:
-    """Topics, credentials and ACLs of every principal in `ACCESS`, as the admin `kafka` names;
-    writes each principal's password and env file to `folder`. Returns the principals."""
+def apply(kafka: KafkaConfig, folder: Path, ca: Path | None, rotate: bool = False, timeout: float = 30.0,
+          also_prefixes: Iterable[str] = ()) -> list[str]:
+    """Topics, credentials and ACLs of every principal in `ACCESS`, as the admin `kafka` names, for
+    its topic prefix and each of `also_prefixes` (another pipeline on the same cluster); writes each
+    principal's password and env file (naming `kafka`'s prefix) to `folder`. Returns the principals."""
     from confluent_kafka.admin import AdminClient
 
-    ensure_topics(kafka, (*T.ALL, CONTROL), timeout)
+    prefixes = [kafka.topic_prefix, *also_prefixes]
+    for prefix in prefixes:
+        ensure_topics(replace(kafka, topic_prefix=prefix), (*T.ALL, CONTROL), timeout)
     upsert_credentials(kafka, folder, ACCESS, rotate, timeout)
     admin = AdminClient(kafka.client())
-    for fut in admin.create_acls(acl_bindings(kafka.topic_prefix), request_timeout=timeout).values():
+    bindings = list(dict.fromkeys(b for prefix in prefixes for b in acl_bindings(prefix)))  # groups: one name for all
+    for fut in admin.create_acls(bindings, request_timeout=timeout).values():
         fut.result(timeout)
     for name in ACCESS:
         env = client_env(name, folder, ca) | {"SAO_KAFKA_BOOTSTRAP": kafka.bootstrap,
@@ -225,6 +230,9 @@ class AccessConfig:
     (kept if already there)."""
     tls_hosts: str = "localhost,127.0.0.1"
     """--prepare: the names the brokers' certificate is valid for, comma separated."""
+    also_prefixes: tuple[str, ...] = ()
+    """Topic prefixes besides --kafka.topic-prefix whose topics get the same table (another
+    pipeline on this cluster: compose's agent profile runs on `agent`)."""
     kafka: KafkaConfig = field(default_factory=KafkaConfig)
     """The cluster, as its admin (`SAO_KAFKA_SASL_USERNAME=admin` and its password file)."""
 
@@ -247,6 +255,6 @@ def run(cfg: AccessConfig) -> None:
         print(f"passwords of {', '.join(names)} in {cfg.dir}" + (f"; CA and broker certificate in {cfg.tls_dir}"
                                                                   if cfg.tls_dir else ""), flush=True)
         return
-    names = apply(cfg.kafka, cfg.dir, cfg.ca, cfg.rotate)
+    names = apply(cfg.kafka, cfg.dir, cfg.ca, cfg.rotate, also_prefixes=cfg.also_prefixes)
     print(f"access applied on {cfg.kafka.bootstrap}: {', '.join(names)} (passwords and env files in {cfg.dir})",
           flush=True)

@@ -55,6 +55,17 @@ def test_compose_files_validate_with_every_profile(files, profile):
     _compose(*args, "config", "-q")
 
 
+def test_the_secure_override_gives_every_kafka_client_its_own_principal():
+    """A service of the base file the override forgets would connect with no credentials (the
+    agent profile's learner and feeder once did)."""
+    out = _compose("-f", BASE, "-f", HOST, "-f", SECURE, "--profile", "agent", "config")
+    services = yaml.safe_load(out.stdout)["services"]
+    no_kafka_client = {"kafka", "keys", "grafana", "prometheus"}  # the broker itself; no client
+    missing = [name for name, svc in services.items() if name not in no_kafka_client
+               and not (svc.get("environment") or {}).get("SAO_KAFKA_SASL_USERNAME")]
+    assert missing == [] and "agent" in services["topics"]["command"]
+
+
 def test_compose_runs_kafka_in_kraft_mode_and_every_service_restarts():
     spec = yaml.safe_load(Path(BASE).read_text())
     env = spec["services"]["kafka"]["environment"]

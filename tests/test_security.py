@@ -45,14 +45,14 @@ def settings(broker: EmbeddedBroker, principal: str, **extra) -> dict:
             "sasl.password": access.password(broker.access_dir, principal), **extra}
 
 
-def outcomes_of_writes(broker: EmbeddedBroker, principal: str) -> dict[str, bool]:
+def outcomes_of_writes(broker: EmbeddedBroker, principal: str, topics: list[str] = TOPICS) -> dict[str, bool]:
     """topic -> whether `principal`'s write to it was acknowledged (False: refused)."""
     producer = Producer(settings(broker, principal, **{"message.timeout.ms": 20_000, "acks": "all"}))
     results: dict[str, KafkaError | None] = {}
-    for topic in TOPICS:
+    for topic in topics:
         producer.produce(topic, b"x", partition=0, on_delivery=lambda err, msg: results.__setitem__(msg.topic(), err))
     producer.flush(30)
-    assert set(results) == set(TOPICS), results
+    assert set(results) == set(topics), results
     refused = {t: e for t, e in results.items() if e is not None}
     assert all(e.code() == KafkaError.TOPIC_AUTHORIZATION_FAILED for e in refused.values()), refused
     return {t: e is None for t, e in results.items()}
@@ -136,6 +136,20 @@ def said_by(stderr: str, prog: str) -> str:
     """The one line the command itself wrote (librdkafka's own log lines may come after it)."""
     [line] = [line for line in stderr.splitlines() if line.startswith(prog + ":")]
     return line
+
+
+def test_a_second_pipelines_topics_get_the_same_table_from_one_sao_access(secured):
+    """Compose's agent profile runs on topics `agent.*` beside `sao.*`: its secure override's
+    one-shot gives them the same grants (`--also-prefixes agent`), idempotently."""
+    out = _sao(secured, access.ADMIN, "access", "--dir", str(secured.access_dir), "--ca", str(secured.security.ca),
+               "--also-prefixes", "agent")
+    assert out.returncode == 0 and "access applied" in out.stdout, out.stderr[-2000:]
+    topics = (*T.ALL, CONTROL)
+    for principal in ("learner", "producer", "feeder"):
+        wrote = outcomes_of_writes(secured, principal, [t.name("agent") for t in topics])
+        for t in topics:  # as on the table's own topics
+            assert wrote[t.name("agent")] == access.allows(principal, "topic", t.name(), "WRITE"), (principal, t)
+    assert access.allows("learner", "topic", "sao.weights", "WRITE")  # so agent.weights was written
 
 
 def test_a_service_refused_says_so_in_one_line_and_no_secret_shows(secured):
