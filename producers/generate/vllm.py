@@ -52,6 +52,7 @@ import safetensors.torch
 import torch
 
 from producers.generate.base import Generation, SamplingParams, check_request, exact_sampling
+from producers.generate import watchdog
 from producers.generate.http import STAGE_POLL_S, InvalidGeneration, versions_from
 from schemas.config import ConfigError
 from schemas.process import cpu_flags
@@ -343,43 +344,6 @@ def safetensors_files(path: str | Path) -> list[Path]:
     return sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
 
 
-# A process outside the engine's tree that outlives this one: vLLM's EngineCore has no way to notice
-# that the process which spawned it died (its Worker does, through a pipe from the EngineCore), so a
-# SIGKILLed producer would leave an engine holding gigabytes and both cores.
-_WATCHDOG = """
-import os, signal, sys, time
-parent = int(sys.argv[1])
-while os.getppid() == parent:
-    time.sleep(0.5)
-for pid in map(int, sys.argv[2:]):
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-"""
-
-
-def engine_processes(root: int) -> list[int]:
-    """vLLM's processes (named `VLLM::EngineCore`, `VLLM::Worker`, ...) below process `root`."""
-    found, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        children = []
-        for task in Path(f"/proc/{pid}/task").glob("*/children"):  # per thread: whichever spawned it
-            try:
-                children += task.read_text().split()
-            except OSError:
-                pass
-        for child in map(int, children):
-            todo.append(child)
-            try:
-                if Path(f"/proc/{child}/cmdline").read_bytes().startswith(b"VLLM::"):
-                    found.append(child)
-            except OSError:
-                pass
-    return found
-
-
 def architecture(config: dict) -> dict:
     """`hf_overrides` naming the model class where the config does not (a config written from a
     GGUF-loaded model, as the learner's store holds for SmolLM2, has no `architectures`)."""
@@ -448,9 +412,14 @@ class VLLMGenerator:
                 await engine.collective_rpc("make_shadow")
             return engine
 
-        self.engine = self._call(start())
-        self._watchdog = subprocess.Popen([sys.executable, "-S", "-c", _WATCHDOG, str(os.getpid()),
-                                           *map(str, engine_processes(os.getpid()))], start_new_session=True)
+        # before the engine: a process killed while its engine starts must not leave it behind
+        self._watchdog = subprocess.Popen([sys.executable, "-S", watchdog.__file__, str(os.getpid())],
+                                          start_new_session=True)
+        try:
+            self.engine = self._call(start())
+        except BaseException:
+            self._watchdog.kill()
+            raise
 
     def _call(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()

@@ -20,8 +20,8 @@ from safetensors.torch import save_file
 
 from producers.generate.base import SamplingParams
 from producers.generate.http import InvalidGeneration, versions_from
-from producers.generate.vllm import (VLLMGenerator, engine_processes, extract, mismatch, sampling_kwargs,
-                                     threads_bind)
+from producers.generate.vllm import VLLMGenerator, extract, mismatch, sampling_kwargs, threads_bind
+from producers.generate.watchdog import engine_processes
 from schemas.catalogue import TINY_LLAMA, tiny_llama
 from schemas.weights.engine import ArchitectureMismatch
 

@@ -1,0 +1,50 @@
+"""The vLLM engine watchdog (producers/generate/watchdog.py) with real processes: a process killed
+while its engine was starting leaves no engine behind, and nothing that is not an engine is killed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from producers.generate import watchdog
+from tests.producers.util import wait_until
+
+# The guarded process: its watchdog first, as VLLMGenerator starts it, then an "engine" (a process
+# named VLLM::EngineCore, as vLLM names its own) and a helper that is not one.
+PARENT = """
+import os, subprocess, sys, time
+subprocess.Popen([sys.executable, "-S", sys.argv[1], str(os.getpid())], start_new_session=True)
+engine = subprocess.Popen(["bash", "-c", "exec -a VLLM::EngineCore sleep 600"])
+other = subprocess.Popen(["sleep", "600"])
+print(engine.pid, other.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except OSError:
+        return False
+
+
+def test_an_engine_still_starting_is_killed_with_the_process_that_started_it():
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, watchdog.__file__], stdout=subprocess.PIPE, text=True)
+    engine, other = map(int, parent.stdout.readline().split())
+    try:
+        wait_until(lambda: watchdog.engine_processes(parent.pid) == [engine])
+        time.sleep(3 * watchdog.POLL_S)  # the watchdog's own look (it may still be starting: a loaded machine)
+        os.kill(parent.pid, signal.SIGKILL)  # no chance to shut anything down
+        parent.wait(10)
+        wait_until(lambda: not alive(engine), timeout=10)
+        assert alive(other)  # not an engine: left alone
+    finally:
+        for pid in (engine, other):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
