@@ -48,6 +48,7 @@ Writes bench/results/peer_trl.{md,png,json} (`--out`); raw runs under runs/peer.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -203,13 +204,18 @@ def run_ours(cfg: PeerConfig, warm: str) -> dict:
             proc.wait(timeout=None if cfg.ours_steps else cfg.budget_s)
         except subprocess.TimeoutExpired:
             stopped_at = time.time() - t0
-            pids = learner_pids(proc.pid)
-            say(f"ours: budget reached at {stopped_at:.0f} s: SIGTERM to the learner {pids} (it finishes its step)")
-            for pid in pids:
-                os.kill(pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=cfg.final_eval_s + 600)
-            except subprocess.TimeoutExpired:
+            say(f"ours: budget reached at {stopped_at:.0f} s: SIGTERM to the learner (it finishes its step)")
+            signalled: set[int] = set()
+            deadline = time.time() + cfg.final_eval_s + 600
+            while proc.poll() is None and time.time() < deadline:
+                # a learner the supervisor restarts (after a crash or an OOM kill) is told to stop too
+                for pid in set(learner_pids(proc.pid)) - signalled:
+                    say(f"ours: SIGTERM to learner {pid}")
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGTERM)
+                    signalled.add(pid)
+                time.sleep(2)
+            if proc.poll() is None:
                 say("ours: sao up did not end; SIGTERM to it")
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(timeout=120)
@@ -231,7 +237,9 @@ def run_ours(cfg: PeerConfig, warm: str) -> dict:
             "backend": "vLLM CPU build (producer and evaluator, float32), SAO learner on torch (float32 policy)",
             "steps": [{"step": int(s["step/index"]), "seconds": s["time"] - t0, "version": int(s["weights/version"]),
                        "reward": s["reward/mean"], "turns": s.get("episode/turns")} for s in steps],
-            "points": points, "updates": max(published)}
+            "points": points, "updates": max(published),
+            "events": [line for c in json.loads((run_dir / "processes.json").read_text())["processes"].values()
+                       for line in c["events"]] if (run_dir / "processes.json").exists() else []}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -531,6 +539,8 @@ def markdown(data: dict) -> str:
                   f"  - started {r['started']}, load average {r['load_before']} before, {r['load_after']} after; "
                   f"stopped at {r['stopped_at_s'] or 0:.0f} s, {r['updates']} policy updates, "
                   f"{r['wall_s']:.0f} s in all (the last evaluation included)"]
+        if r.get("events"):
+            lines.append(f"  - sao up's supervisor: {'; '.join(r['events'])}")
     lines += ["", "## Held-out accuracy against wall-clock seconds", "",
               "A point's seconds are when its weights existed (ours: the learner published the version; TRL: the "
               "optimizer step ended), from the side's start; `scored at` is when its evaluation ended.", "",
