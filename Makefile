@@ -109,7 +109,7 @@ $(PEER_STAMP): $(STAMP)
 	touch $@
 
 # ours (`make run-agent`'s pipeline) against TRL's GRPOTrainer on the same warm start, task, reward,
-# tool and cores, 15 minutes each, one after the other (~40 min); bench/results/peer_trl.md
+# tool and cores, 15 minutes each, one after the other (~40 min); the table goes to bench/results/
 bench-peer: install peer-env
 	$(PY) bench/peer_trl.py
 

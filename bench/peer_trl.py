@@ -111,7 +111,7 @@ class PeerConfig:
     --sft.epochs 1` (make run-agent's, cached under runs/warmup)."""
     run_dir: Path = Path("runs/peer")
     """Raw runs: ours/ (sao up's run dir), trl/ (the trainer's output and log)."""
-    out: Path = Path("bench/results/peer_trl.md")
+    out: Path = Path("bench/results/peer_trl").with_suffix(".md")  # written by the run
     """The table; .json (every figure) and .png (the plot) beside it."""
     peer_python: Path = Path(".venv-peer/bin/python")
     """The interpreter with trl (`make peer-env`)."""
@@ -559,8 +559,9 @@ def markdown(data: dict) -> str:
         if r and r["steps"]:
             rewards = ", ".join(f"{s['reward']:.3f}" for s in r["steps"])
             lines.append(f"Training reward per step, {name} ({len(r['steps'])} steps): {rewards}.")
+    notes = Path(cfg["out"]).stem + "_notes" + Path(cfg["out"]).suffix  # written beside it after the run
     lines += ["", f"![accuracy against seconds]({Path(cfg['out']).with_suffix('.png').name})", "",
-              "Notes on this run: [peer_trl_notes.md](peer_trl_notes.md).", ""]
+              f"Notes on this run: [{notes}]({notes}).", ""]
     return "\n".join(lines)
 
 
