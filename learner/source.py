@@ -236,6 +236,9 @@ class TrajectorySource:
         step = formation.open(step_index, StepRule(batch_trajectories=batch_trajectories, batch_tokens=batch_tokens,
                                                    min_fresh_frac=min_fresh_frac, staleness=staleness, fresh=fresh))
         while not formation.full(step):
+            if stop.is_set():  # checked before taking more too: producers running ahead keep the queue full
+                formation.abandon()
+                return None
             try:
                 item = self._queue.get(timeout=0.2)
             except queue.Empty:
@@ -243,9 +246,6 @@ class TrajectorySource:
                     raise self.error
                 if self.error is not None:
                     raise RuntimeError(f"trajectory prefetch stopped: {self.error}") from self.error
-                if stop.is_set():
-                    formation.abandon()
-                    return None
                 # Waiting for the rest of a step: what this step holds and what was dead-lettered
                 # counts as consumed, else a backpressure bound under one step would never open.
                 self._report_progress()

@@ -111,7 +111,8 @@ def test_the_source_forms_steps_from_its_queue_by_these_rules_and_a_stop_abandon
                          batch_trajectories=2, batch_tokens=1 << 20, stop=stop)
     assert step.ids == ["a", "b"] and src.counts["duplicate"] == 1 and src.positions == {0: 3}
     src._queue.put((0, 3, traj(id="c"), b""))
+    src._queue.put((0, 4, traj(id="d"), b""))  # a whole step waiting (producers ahead) does not outrun the stop
     stop.set()
     assert src.next_step(step_index=1, staleness=lambda t: 0, fresh=lambda t: 1.0, min_fresh_frac=0.0,
                          batch_trajectories=2, batch_tokens=1 << 20, stop=stop) is None
-    assert src.positions == {0: 3} and "c" not in src.formation.trained  # consumed again after a restart
+    assert src.positions == {0: 3} and not {"c", "d"} & set(src.formation.trained)  # consumed again after a restart
