@@ -169,8 +169,9 @@ def ours_command(cfg: PeerConfig, warm: str, run_dir: Path) -> list[str]:
             f"--learner-flags={RUN_AGENT_LEARNER_FLAGS}", f"--eval-flags=--episode-deadline-s {cfg.eval_deadline_s:g}"]
 
 
-def learner_pids(up_pid: int) -> list[int]:
-    """The `sao learner` child of `sao up` (psutil: the supervisor restarts it under a new pid)."""
+def learner_pids(up_pid: int, min_age_s: float = 0.0) -> list[int]:
+    """The `sao learner` child of `sao up` (psutil: the supervisor restarts it under a new pid),
+    running for `min_age_s` at least (a learner just started has no SIGTERM handler yet)."""
     import psutil
 
     try:
@@ -183,7 +184,7 @@ def learner_pids(up_pid: int) -> list[int]:
             argv = c.cmdline()
         except psutil.Error:
             continue
-        if argv[1:4] == ["-m", "sao", "learner"]:
+        if argv[1:4] == ["-m", "sao", "learner"] and time.time() - c.create_time() >= min_age_s:
             pids.append(c.pid)
     return pids
 
@@ -209,7 +210,7 @@ def run_ours(cfg: PeerConfig, warm: str) -> dict:
             deadline = time.time() + cfg.final_eval_s + 600
             while proc.poll() is None and time.time() < deadline:
                 # a learner the supervisor restarts (after a crash or an OOM kill) is told to stop too
-                for pid in set(learner_pids(proc.pid)) - signalled:
+                for pid in set(learner_pids(proc.pid, min_age_s=60)) - signalled:
                     say(f"ours: SIGTERM to learner {pid}")
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGTERM)
@@ -467,11 +468,23 @@ def reach(points: list[dict], level: float) -> float | None:
     return min(hits) if hits else None
 
 
+def cutoff(r: dict) -> float:
+    """When the side's training was due to stop: the end of the step in progress at the budget (its
+    first step ending at or after it); points of later weights are shown but not compared."""
+    late = [s["seconds"] for s in r["steps"] if s["seconds"] >= r["budget_s"]]
+    return min(late) if late else float("inf")
+
+
+def compared(r: dict) -> list[dict]:
+    return [p for p in r["points"] if p["seconds"] is not None and p["seconds"] <= cutoff(r) + 1e-6]
+
+
 def comparison(data: dict) -> list[str]:
     """The verdict lines: start, best, and the seconds to the highest accuracy both reached."""
     ours, trl = data["sides"].get("ours"), data["sides"].get("trl")
     if not (ours and trl and ours["points"] and trl["points"]):
         return ["Only one side has run: no comparison."]
+    ours, trl = ours | {"points": compared(ours)}, trl | {"points": compared(trl)}
     start_o, start_t = ours["points"][0]["accuracy"], trl["points"][0]["accuracy"]
     start = max(start_o, start_t)
     best_o, best_t = max(p["accuracy"] for p in ours["points"]), max(p["accuracy"] for p in trl["points"])
@@ -544,14 +557,21 @@ def markdown(data: dict) -> str:
     lines += ["", "## Held-out accuracy against wall-clock seconds", "",
               "A point's seconds are when its weights existed (ours: the learner published the version; TRL: the "
               "optimizer step ended), from the side's start; `scored at` is when its evaluation ended.", "",
+              "A point marked *past the budget* is of weights made after the step in progress at the budget "
+              "ended (a learner that did not stop when told): shown, not compared.", "",
               "| side | policy updates | seconds | held-out greedy | turns | evaluation took (s) | scored at (s) |",
               "| --- | --- | --- | --- | --- | --- | --- |"]
     for side, name in (("ours", "ours"), ("trl", "TRL")):
-        for p in (sides.get(side) or {}).get("points", []):
+        r = sides.get(side) or {"points": [], "steps": [], "budget_s": 0}
+        for p in r["points"]:
+            if p not in compared(r):
+                name_ = f"{name}, *past the budget*"
+            else:
+                name_ = name
             secs = "–" if p["seconds"] is None else f"{p['seconds']:.0f}"
             turns = "–" if p.get("turns") is None else f"{p['turns']:.2f}"
             ev = "–" if p.get("eval_s") is None else f"{p['eval_s']:.0f}"
-            lines.append(f"| {name} | {p['update']} | {secs} | {p['accuracy']:.3f} | {turns} | {ev} | "
+            lines.append(f"| {name_} | {p['update']} | {secs} | {p['accuracy']:.3f} | {turns} | {ev} | "
                          f"{p['scored_at']:.0f} |")
     lines += ["", "## Result", "", *comparison(data), ""]
     for side, name in (("ours", "ours"), ("trl", "TRL")):
