@@ -9,8 +9,8 @@ the importance ratio depends on, tested against a full forward). On CPU, where a
 B rows costs far less than B forwards, throughput rises with the number of requests in flight.
 
 Weights may change between any two decode steps: each step holds `_step_lock`; `load_state`
-checks the tensors without it (`load_weights` reads a file first), queues the swap, and the swap happens at the next step
-boundary, in place (`load_state_dict` copies into the live parameters). What the engine is paused
+checks the tensors without it (`load_weights` reads a file first), queues the swap, and the swap
+happens at the next step boundary, in place (`load_state_dict` copies into the live parameters). What the engine is paused
 for is that copy alone (`last_pause_s`), not the read. Every token records the version that
 sampled it. The KV cache built under the old weights is kept across a swap, as asynchronous
 engines do.

@@ -51,8 +51,8 @@ import numpy as np
 import safetensors.torch
 import torch
 
-from producers.generate.base import Generation, SamplingParams, check_request, exact_sampling
 from producers.generate import watchdog
+from producers.generate.base import Generation, SamplingParams, check_request, exact_sampling
 from producers.generate.http import STAGE_POLL_S, InvalidGeneration, versions_from
 from schemas.config import ConfigError
 from schemas.process import cpu_flags

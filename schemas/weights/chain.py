@@ -121,12 +121,17 @@ def rebuild(chain: list[Weights], held: Rebuilt | None) -> tuple[Rebuilt | None,
     return done, None, None
 
 
+def adapter(name: str) -> bool:
+    """A LoRA adapter's tensor, which engines never get (`merged` folds it into its module)."""
+    return ".lora_A." in name or ".lora_B." in name
+
+
 def merged(state: W.State, scale: float) -> W.State:
     """The plain weights of a LoRA state: `W + scale · B @ A` for every module with adapters,
     computed in float32 and cast back; the adapters themselves dropped."""
     out = {}
     for name, t in state.items():
-        if ".lora_A." in name or ".lora_B." in name:
+        if adapter(name):
             continue
         module = name.removesuffix(".weight")
         a, b = state.get(f"{module}.lora_A.weight"), state.get(f"{module}.lora_B.weight")
@@ -144,3 +149,8 @@ def engine_state(state: Rebuilt) -> dict[str, torch.Tensor]:
     it holds LoRA adapters, as torch tensors over the state's own memory where nothing is computed."""
     tensors = merged(state.state, float(state.extra["lora_scale"])) if "lora_scale" in state.extra else state.state
     return {name: W.to_torch(t) for name, t in tensors.items()}
+
+
+def engine_shapes(state: Rebuilt) -> dict[str, tuple[int, ...]]:
+    """The names and shapes of `engine_state(state)`, computing no tensor (a merge keeps shapes)."""
+    return {name: t.shape for name, t in state.state.items() if not adapter(name)}

@@ -47,7 +47,7 @@ from schemas.messages import AnchorRequest, Weights
 from schemas.signing import load_trusted
 from schemas.weights import payload as W
 from schemas.weights.announcements import decode_announcement, read_backlog, weights_reader
-from schemas.weights.chain import Rebuilt, engine_state, plan, prune, rebuild
+from schemas.weights.chain import Rebuilt, engine_shapes, engine_state, plan, prune, rebuild
 from schemas.weights.collective import Link
 from schemas.weights.engine import ArchitectureMismatch, Engine, RemoteEngine
 
@@ -258,16 +258,16 @@ class WeightSubscriber:
         """Make `state` the held one, loading it into the engine's memory unless the engine already
         runs its version (v0 is built from the learner's seed; its state is still needed as the
         base of the first delta, and it must be this engine's architecture)."""
-        tensors = engine_state(state)
         if state.version == self.generator.version:
             try:
-                self.generator.check_shapes({name: tuple(t.shape) for name, t in tensors.items()})
+                self.generator.check_shapes(engine_shapes(state))
             except ArchitectureMismatch as e:
                 raise _mismatch(state.version, e) from e
             self._hold(state)
             return
         moved = (sum(t.bits.nbytes for t in state.state.values()) if source == "collective"
                  else sum(w.num_bytes for w in chain))
+        tensors = engine_state(state)  # a LoRA merge counts as fetching, as the rebuild does
         stats = {"fetch_s": time.perf_counter() - t0, "bytes": moved}
         if self._load(lambda: self.generator.load_state(tensors, state.version), state.version, chain,
                       time.perf_counter(), source, stats):
