@@ -10,6 +10,9 @@
    duration (WHEELS_URL, KAFKA_JARS_URL): the build context stays the source tree (a few hundred
    KB), no wheel is baked into a layer it does not install, and Docker's layer cache makes a
    rebuild after a source change take seconds.
+5. the image the tag named before, when the build replaced it and nothing else names it: every
+   rebuild would otherwise leave 7 GB untagged in Docker's store, and a machine that runs the
+   suite daily fills its disk in a week.
 """
 
 from __future__ import annotations
@@ -49,12 +52,30 @@ class _Quiet(http.server.SimpleHTTPRequestHandler):
         pass
 
 
+def _image_id(ref: str) -> str | None:
+    out = subprocess.run(["docker", "image", "inspect", "--format", "{{.Id}}", ref],
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    return out.stdout.strip() or None
+
+
+def _drop_replaced(previous: str | None, tag: str) -> None:
+    """Remove `previous` if the build moved `tag` off it and no other tag names it."""
+    if previous is None or previous == _image_id(tag):
+        return
+    tags = subprocess.run(["docker", "image", "inspect", "--format", "{{len .RepoTags}}", previous],
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True).stdout.strip()
+    if tags == "0":
+        # refused while a container still uses it; that image then goes with a later build
+        subprocess.run(["docker", "image", "rm", previous], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def build(tag: str, base: str | None, dockerfile: str, extra: list[str]) -> float:
     from sao.broker import BrokerConfig, fetch_jars
 
     base = base or _script("base-image.sh")
     wheels = Path(_script("wheelhouse.sh"))
     jars = fetch_jars(BrokerConfig().jar_cache)
+    previous = _image_id(tag)
     with tempfile.TemporaryDirectory(prefix="sao-artifacts-") as tmp:
         artifact_tree(wheels, jars, ROOT / "docker" / "kafka-jars.lock", Path(tmp))
         # a fixed port: the URLs are build arguments, and a changed argument would void Docker's cache
@@ -70,6 +91,7 @@ def build(tag: str, base: str | None, dockerfile: str, extra: list[str]) -> floa
                            check=True, env={**os.environ, "DOCKER_BUILDKIT": "0"})
         finally:
             server.shutdown()
+    _drop_replaced(previous, tag)
     return time.monotonic() - t0
 
 

@@ -171,6 +171,35 @@ def _service_logs(project: list[str], tail: int = 25, limit: int = 2500) -> str:
     return "\n".join(blocks)
 
 
+def test_a_rebuild_removes_the_image_it_replaced_unless_another_tag_names_it(engine):
+    """Every compose test rebuilds the image; each replaced build left 7 GB untagged, and a machine
+    running the suite daily filled its disk (CI then failed installing the venv: ENOSPC)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("sao_docker_build", ROOT / "docker" / "build.py")
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    repo = f"saotest{uuid.uuid4().hex[:8]}"
+
+    def image(tag: str) -> str:
+        subprocess.run(["docker", "build", "-q", "-t", tag, "-"], input=f"FROM scratch\nLABEL n={uuid.uuid4()}\n",
+                       text=True, check=True, capture_output=True, env={**os.environ, "DOCKER_BUILDKIT": "0"})
+        return build._image_id(tag)
+
+    try:
+        first = image(f"{repo}:a")
+        second = image(f"{repo}:a")
+        assert first != second and build._image_id(first) == first  # untagged, still stored
+        build._drop_replaced(first, f"{repo}:a")
+        assert build._image_id(first) is None
+        kept = second
+        subprocess.run(["docker", "tag", kept, f"{repo}:b"], check=True)
+        image(f"{repo}:a")
+        build._drop_replaced(kept, f"{repo}:a")
+        assert build._image_id(kept) == kept, "an image another tag names is kept"
+    finally:
+        subprocess.run(["docker", "image", "rm", "-f", f"{repo}:a", f"{repo}:b"], capture_output=True)
+
+
 @pytest.mark.timeout(2400)
 def test_cpu_topology_trains_survives_a_producer_sigkill_and_leaves_nothing(engine):
     t0 = time.monotonic()
