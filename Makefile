@@ -11,7 +11,7 @@ export TRANSFORMERS_OFFLINE := 1
 # time in pip's cache (a CI run once ran out of disk installing them)
 export PIP_NO_CACHE_DIR := 1
 
-.PHONY: install run run-tiny run-agent test test-fast bench bench-peer peer-env broker clean readme image
+.PHONY: install run run-tiny run-agent test test-fast bench bench-side-by-side peer-env broker clean readme image
 
 install: $(STAMP)
 
@@ -88,7 +88,7 @@ bench: install
 	$(PY) bench/codec.py
 	$(PY) bench/kafka_path.py
 
-# TRL (the peer of bench/peer_trl.py) in an environment of its own: trl 1.16.0 needs datasets, whose
+# TRL (the peer of bench/side_by_side.py) in an environment of its own: trl 1.16.0 needs datasets, whose
 # fsspec pin is older than ours, and nothing of it belongs in what `make test` installs. .venv-peer is
 # a venv of the same interpreter that sees .venv's packages behind its own (a .pth adds .venv's
 # site-packages last, the editable project with it); pip is held to .venv's versions of everything
@@ -108,10 +108,11 @@ $(PEER_STAMP): $(STAMP)
 	$(PEER)/bin/python -c "import trl, torch, transformers, sao; print('trl', trl.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
 	touch $@
 
-# ours (`make run-agent`'s pipeline) against TRL's GRPOTrainer on the same warm start, task, reward,
-# tool and cores, 15 minutes each, one after the other (~40 min); the table goes to bench/results/
-bench-peer: install peer-env
-	$(PY) bench/peer_trl.py
+# `make run-agent`'s pipeline streaming, the same behind a group barrier (groups of 4), and TRL's
+# GRPOTrainer, on the same warm start, task, reward, tool and cores, 15 minutes each, one after the
+# other (~1 h); the tables go to bench/results/
+bench-side-by-side: install peer-env
+	$(PY) bench/side_by_side.py
 
 broker: install
 	$(VENV)/bin/sao broker

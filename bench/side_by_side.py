@@ -1,7 +1,9 @@
-"""Ours against a peer: `make run-agent`'s pipeline and TRL's `GRPOTrainer` on the same warm-started
-model, task, reward, tool and cores, each for the same wall-clock budget, one after the other.
-Held-out accuracy against wall-clock seconds for both, and how long each took to reach the same
-accuracy.
+"""Side by side on calc-agent, in one run each: `make run-agent`'s pipeline streaming one trajectory at
+a time (**ours**), the same pipeline behind a group barrier (**sync**), and TRL's `GRPOTrainer`
+(**trl**), on the same warm-started model, task, reward, tool and cores, each for the same
+wall-clock budget, one after the other. Held-out accuracy against wall-clock seconds for all, and
+two tables: ours against sync (trajectories trained per second, seconds to the target, start +
+0.15), ours against TRL (seconds each took to reach the same accuracy, and the ratio).
 
 - **ours**: `sao up` with `make run-agent`'s settings (the warm start of `sao warmup --env calc-agent
   --model smollm2 --demos 100 --sft.epochs 1`; one vLLM producer playing `calc-agent` with the
@@ -11,6 +13,12 @@ accuracy.
   it finishes the step in progress and stops, and the evaluator scores the last version (as at the
   end of any `sao up` run). The accuracies are `sao eval`'s own (RUN_DIR/eval.jsonl); a version's
   time is when the learner published it (learner/metrics.jsonl), v0's the start.
+- **sync**: ours with a group barrier, as GRPO trains: the feeder asks for `--num-generations` (4)
+  rollouts of each prompt, the learner holds a group until all of it has arrived and trains whole
+  groups (`--update.algorithm grpo_dis`: the group-normalised reward as advantage, no critic, the
+  same DIS mask against the rollout policy), and rollouts may run only one step ahead of training
+  (`--max-lag-steps 1`: the producer plays the next step's groups while the learner trains, on the
+  weights it has). Same producer, evaluator, step size, policy lr and micro-batches as ours.
 - **TRL**: `trl.GRPOTrainer` with its own tool calling (`environment_factory`: an environment
   class whose `python` method is the tool, one instance per rollout, reset between them), in
   `.venv-peer` (`make peer-env`: trl's `datasets` wants an older fsspec than ours). The tool runs
@@ -38,12 +46,12 @@ TRL: the trainer process loading the model), so start-up counts. Reported: accur
 seconds, the start (v0) and best of each, and the seconds each took to reach the highest accuracy
 both reached above the start, with the ratio TRL ÷ ours (or, plainly, that one or neither rose).
 
-    make bench-peer                                       # both sides, 15 minutes each (~40 min)
-    .venv/bin/python bench/peer_trl.py --budget-s 900     # the same
-    .venv/bin/python bench/peer_trl.py --sides trl --budget-s 300 --trl-max-steps 2 --eval-every 1  # smoke
-    .venv/bin/python bench/peer_trl.py --replot           # md and png from the saved json
+    make bench-side-by-side                                   # the three sides, 15 minutes each (~1 h)
+    .venv/bin/python bench/side_by_side.py --budget-s 900     # the same
+    .venv/bin/python bench/side_by_side.py --sides trl --budget-s 300 --trl-max-steps 2 --eval-every 1  # smoke
+    .venv/bin/python bench/side_by_side.py --replot           # md and png from the saved json
 
-Writes bench/results/peer_trl.{md,png,json} (`--out`); raw runs under runs/peer.
+Writes bench/results/side_by_side.{md,png,json} (`--out`); raw runs under runs/side-by-side.
 """
 
 from __future__ import annotations
@@ -69,18 +77,23 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import tyro  # noqa: E402
 
-Side = Literal["ours", "trl"]
+Side = Literal["ours", "sync", "trl"]
 
 RUN_AGENT_LEARNER_FLAGS = ("--update.warmup-steps 3 --update.lr-policy 2e-5 --update.lr-critic 5e-4 "
                            "--update.micro-batch-tokens 1024")
 """`make run-agent`'s learner flags."""
+SYNC_LEARNER_FLAGS = "--update.algorithm grpo_dis --update.lr-policy 2e-5 --update.micro-batch-tokens 1024"
+"""The sync side's: the group baseline in place of the critic, ours' policy lr and micro-batches."""
+TARGET_RISE = 0.15
+"""The target of `make run-agent`: held-out accuracy this much above the warm start."""
+NAMES = {"ours": "ours", "sync": "sync", "trl": "TRL"}
 
 
 @dataclass(kw_only=True)
 class PeerConfig:
     budget_s: float = 900.0
     """Wall-clock seconds each side trains for (start-up and its evaluations included)."""
-    sides: tuple[Side, ...] = ("ours", "trl")
+    sides: tuple[Side, ...] = ("ours", "sync", "trl")
     """Which sides run, in this order; a side not run keeps its result from --out's json."""
     eval_every: int = 3
     """Score the held-out problems every this many policy updates (and the start, and the last)."""
@@ -98,7 +111,7 @@ class PeerConfig:
     batch: int = 8
     """Episodes per policy update, both sides (TRL: batch / num_generations prompts)."""
     num_generations: int = 4
-    """TRL's group size."""
+    """The group size of TRL and of the sync side."""
     micro_batch: int = 2
     """TRL's rollouts per forward and backward (per_device_train_batch_size; the `batch` rollouts of
     one generation are one optimizer step, in batch / micro_batch accumulated micro-batches, as
@@ -109,16 +122,16 @@ class PeerConfig:
     warm: str = ""
     """The warm-started folder; empty: `sao warmup --env calc-agent --model smollm2 --demos 100
     --sft.epochs 1` (make run-agent's, cached under runs/warmup)."""
-    run_dir: Path = Path("runs/peer")
-    """Raw runs: ours/ (sao up's run dir), trl/ (the trainer's output and log)."""
-    out: Path = Path("bench/results/peer_trl").with_suffix(".md")  # written by the run
+    run_dir: Path = Path("runs/side-by-side")
+    """Raw runs: ours/ and sync/ (sao up's run dirs), trl/ (the trainer's output and log)."""
+    out: Path = Path("bench/results/side_by_side").with_suffix(".md")  # written by the run
     """The table; .json (every figure) and .png (the plot) beside it."""
     peer_python: Path = Path(".venv-peer/bin/python")
     """The interpreter with trl (`make peer-env`)."""
     final_eval_s: float = 300.0
     """Seconds ours' evaluator gets after the learner stops to score the last version (`sao up --final-eval-s`)."""
     ours_steps: int = 0
-    """Stop ours after this many learner steps instead of at the budget (0: the budget; for a smoke test)."""
+    """Stop ours and sync after this many learner steps instead of at the budget (0: the budget; for a smoke test)."""
     trl_max_steps: int = 0
     """Stop TRL after this many steps instead of at the budget (0: the budget; for a smoke test)."""
     threads: int = 2
@@ -160,13 +173,15 @@ def say(line: str) -> None:
 # ours: sao up
 
 
-def ours_command(cfg: PeerConfig, warm: str, run_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "sao", "up", "--model", warm, "--env", "calc-agent", "--producers", "1",
+def ours_command(cfg: PeerConfig, warm: str, run_dir: Path, side: Side) -> list[str]:
+    barrier = ["--group-size", str(cfg.num_generations), "--max-lag-steps", "1"] if side == "sync" else []
+    flags = SYNC_LEARNER_FLAGS if side == "sync" else RUN_AGENT_LEARNER_FLAGS
+    return [sys.executable, "-m", "sao", "up", "--model", warm, "--env", "calc-agent", "--producers", "1", *barrier,
             "--batch-trajectories", str(cfg.batch), "--max-tokens", str(cfg.max_tokens),
             "--steps", str(cfg.ours_steps or 1_000_000), "--eval-every", str(cfg.eval_every),
             "--eval-tasks", str(cfg.eval_tasks), "--eval-samples", "0", "--heldout-frac", str(cfg.heldout_frac),
             "--run-dir", str(run_dir), "--no-dashboard", "--final-eval-s", str(cfg.final_eval_s),
-            f"--learner-flags={RUN_AGENT_LEARNER_FLAGS}", f"--eval-flags=--episode-deadline-s {cfg.eval_deadline_s:g}"]
+            f"--learner-flags={flags}", f"--eval-flags=--episode-deadline-s {cfg.eval_deadline_s:g}"]
 
 
 def learner_pids(up_pid: int, min_age_s: float = 0.0) -> list[int]:
@@ -189,35 +204,36 @@ def learner_pids(up_pid: int, min_age_s: float = 0.0) -> list[int]:
     return pids
 
 
-def run_ours(cfg: PeerConfig, warm: str) -> dict:
+def run_ours(cfg: PeerConfig, warm: str, side: Side) -> dict:
+    """One `sao up` run: ours, or ours behind the group barrier (sync)."""
     from sao.report import load_evaluations, load_steps
 
-    run_dir = cfg.run_dir / "ours"
+    run_dir = cfg.run_dir / side
     run_dir.mkdir(parents=True, exist_ok=True)
-    cmd = ours_command(cfg, warm, run_dir)
+    cmd = ours_command(cfg, warm, run_dir, side)
     before = load()
-    say(f"ours: {shlex.join(cmd[1:])}")
+    say(f"{side}: {shlex.join(cmd[1:])}")
     t0 = time.time()
     stopped_at = None
-    with open(cfg.run_dir / "ours.log", "w") as log:
+    with open(cfg.run_dir / f"{side}.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
         try:
             proc.wait(timeout=None if cfg.ours_steps else cfg.budget_s)
         except subprocess.TimeoutExpired:
             stopped_at = time.time() - t0
-            say(f"ours: budget reached at {stopped_at:.0f} s: SIGTERM to the learner (it finishes its step)")
+            say(f"{side}: budget reached at {stopped_at:.0f} s: SIGTERM to the learner (it finishes its step)")
             signalled: set[int] = set()
             deadline = time.time() + cfg.final_eval_s + 600
             while proc.poll() is None and time.time() < deadline:
                 # a learner the supervisor restarts (after a crash or an OOM kill) is told to stop too
                 for pid in set(learner_pids(proc.pid, min_age_s=60)) - signalled:
-                    say(f"ours: SIGTERM to learner {pid}")
+                    say(f"{side}: SIGTERM to learner {pid}")
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGTERM)
                     signalled.add(pid)
                 time.sleep(2)
             if proc.poll() is None:
-                say("ours: sao up did not end; SIGTERM to it")
+                say(f"{side}: sao up did not end; SIGTERM to it")
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(timeout=120)
     wall = time.time() - t0
@@ -232,12 +248,13 @@ def run_ours(cfg: PeerConfig, warm: str) -> dict:
         points.append({"update": v, "seconds": published.get(v), "accuracy": e["greedy/mean"],
                        "turns": e.get("episode/turns"), "eval_s": e.get("seconds"), "scored_at": e["time"] - t0,
                        "figures": {k: x for k, x in e.items() if "/" in k}})
-    return {"side": "ours", "command": shlex.join(["sao", *cmd[3:]]), "started": before["at"],
+    return {"side": side, "command": shlex.join(["sao", *cmd[3:]]), "started": before["at"],
             "load_before": before["loadavg"], "load_after": after["loadavg"], "budget_s": cfg.budget_s,
             "stopped_at_s": stopped_at, "wall_s": wall, "exit": proc.returncode,
             "backend": "vLLM CPU build (producer and evaluator, float32), SAO learner on torch (float32 policy)",
             "steps": [{"step": int(s["step/index"]), "seconds": s["time"] - t0, "version": int(s["weights/version"]),
-                       "reward": s["reward/mean"], "turns": s.get("episode/turns")} for s in steps],
+                       "reward": s["reward/mean"], "turns": s.get("episode/turns"),
+                       "trajectories": s.get("batch/trajectories")} for s in steps],
             "points": points, "updates": max(published),
             "events": [line for c in json.loads((run_dir / "processes.json").read_text())["processes"].values()
                        for line in c["events"]] if (run_dir / "processes.json").exists() else []}
@@ -454,7 +471,7 @@ def run_trl(cfg: PeerConfig, warm: str) -> dict:
         raise SystemExit(f"the TRL side failed (exit {proc.returncode}); see {cfg.run_dir / 'trl.log'}")
     result = json.loads(out.read_text())
     after = load()
-    return result | {"command": shlex.join(["python", "bench/peer_trl.py", *args[2:]]), "started": before["at"],
+    return result | {"command": shlex.join(["python", "bench/side_by_side.py", *args[2:]]), "started": before["at"],
                      "load_before": before["loadavg"], "load_after": after["loadavg"], "wall_s": time.time() - t0}
 
 
@@ -479,32 +496,65 @@ def compared(r: dict) -> list[dict]:
     return [p for p in r["points"] if p["seconds"] is not None and p["seconds"] <= cutoff(r) + 1e-6]
 
 
-def comparison(data: dict) -> list[str]:
-    """The verdict lines: start, best, and the seconds to the highest accuracy both reached."""
-    ours, trl = data["sides"].get("ours"), data["sides"].get("trl")
-    if not (ours and trl and ours["points"] and trl["points"]):
-        return ["Only one side has run: no comparison."]
-    ours, trl = ours | {"points": compared(ours)}, trl | {"points": compared(trl)}
-    start_o, start_t = ours["points"][0]["accuracy"], trl["points"][0]["accuracy"]
-    start = max(start_o, start_t)
-    best_o, best_t = max(p["accuracy"] for p in ours["points"]), max(p["accuracy"] for p in trl["points"])
-    lines = [f"Start (v0, the same warm folder): ours {start_o:.3f} (sao eval, vLLM), TRL {start_t:.3f} "
-             f"(held_out_score, hf). Best: ours {best_o:.3f}, TRL {best_t:.3f}."]
-    level = min(best_o, best_t)
-    if best_o <= start and best_t <= start:
-        lines.append(f"**Neither side rose above the start ({start:.3f}) within {ours['budget_s']:.0f} s**: no time "
-                     "to a higher accuracy to compare.")
+def comparison(data: dict, x: Side, y: Side) -> list[str]:
+    """The verdict lines for two sides: start, best, and the seconds each took to the highest
+    accuracy both reached above the start, with the ratio y ÷ x."""
+    rx, ry = data["sides"].get(x), data["sides"].get(y)
+    nx, ny = NAMES[x], NAMES[y]
+    if not (rx and ry and rx["points"] and ry["points"]):
+        return [f"{nx} and {ny}: not both have run, no comparison."]
+    px, py = compared(rx), compared(ry)
+    start_x, start_y = px[0]["accuracy"], py[0]["accuracy"]
+    start = max(start_x, start_y)
+    best_x, best_y = max(p["accuracy"] for p in px), max(p["accuracy"] for p in py)
+    lines = [f"Start (v0, the same warm folder): {nx} {start_x:.3f}, {ny} {start_y:.3f}. "
+             f"Best: {nx} {best_x:.3f}, {ny} {best_y:.3f}."]
+    level = min(best_x, best_y)
+    if best_x <= start and best_y <= start:
+        lines.append(f"**Neither {nx} nor {ny} rose above the start ({start:.3f}) within {rx['budget_s']:.0f} s**: "
+                     "no time to a higher accuracy to compare.")
     elif level <= start:
-        who, other = ("ours", "TRL") if best_o > start else ("TRL", "ours")
-        best = max(best_o, best_t)
-        t = reach(ours["points"] if who == "ours" else trl["points"], best)
-        lines.append(f"**Only {who} rose above the start**: {best:.3f} at {t:.0f} s; {other} never scored above "
-                     f"{start:.3f} within the budget, so there is no ratio of times.")
+        who, other, pts = (nx, ny, px) if best_x > start else (ny, nx, py)
+        best = max(best_x, best_y)
+        lines.append(f"**Only {who} rose above the start**: {best:.3f} at {reach(pts, best):.0f} s; {other} never "
+                     f"scored above {start:.3f} within the budget, so there is no ratio of times.")
     else:
-        t_o, t_t = reach(ours["points"], level), reach(trl["points"], level)
-        lines.append(f"**Both reached {level:.3f}** (the highest accuracy both reached above the start): ours at "
-                     f"{t_o:.0f} s, TRL at {t_t:.0f} s; **TRL ÷ ours = {t_t / t_o:.2f}**.")
+        t_x, t_y = reach(px, level), reach(py, level)
+        lines.append(f"**Both reached {level:.3f}** (the highest accuracy both reached above the start): {nx} at "
+                     f"{t_x:.0f} s, {ny} at {t_y:.0f} s; **{ny} ÷ {nx} = {t_y / t_x:.2f}**.")
     return lines
+
+
+def throughput(r: dict) -> tuple[int, float | None]:
+    """Trajectories trained up to the cutoff, and per second between the first step and the last (the
+    start-up and the critic warm-up's first step left out; both sides pay them)."""
+    steps = [s for s in r["steps"] if s["seconds"] <= cutoff(r) + 1e-6]
+    n = sum(s.get("trajectories") or 0 for s in steps)
+    if len(steps) < 2:
+        return n, None
+    return n, sum(s.get("trajectories") or 0 for s in steps[1:]) / (steps[-1]["seconds"] - steps[0]["seconds"])
+
+
+def sync_table(data: dict) -> list[str]:
+    """Ours against sync: trajectories trained per second and seconds to the target accuracy."""
+    rows = ["| side | trajectories trained | trajectories per second | policy updates | held-out at start → best "
+            "| target (start + 0.15) | seconds to the target |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    rates = {}
+    for side in ("ours", "sync"):
+        r = data["sides"].get(side)
+        if not r or not r["points"]:
+            continue
+        pts = compared(r)
+        n, rate = throughput(r)
+        rates[side] = rate
+        target = pts[0]["accuracy"] + TARGET_RISE
+        hit = reach(pts, target)
+        rows.append(f"| {side} | {n} | {'–' if rate is None else f'{rate:.4f}'} | {max(p['update'] for p in pts)} | "
+                    f"{pts[0]['accuracy']:.3f} → {max(p['accuracy'] for p in pts):.3f} | {target:.3f} | "
+                    f"{'not reached' if hit is None else f'{hit:.0f}'} |")
+    if rates.get("ours") and rates.get("sync"):
+        rows += ["", f"Trajectories trained per second, ours ÷ sync: **{rates['ours'] / rates['sync']:.2f}**."]
+    return rows
 
 
 def plot(data: dict, path: Path) -> None:
@@ -515,7 +565,8 @@ def plot(data: dict, path: Path) -> None:
     from bench.report import save_figure
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for side, label, color in (("ours", "ours (sao up: SAO, vLLM producer, sao eval)", "tab:blue"),
+    for side, label, color in (("ours", "ours (sao up: SAO, streaming, vLLM producer)", "tab:blue"),
+                               ("sync", "sync (sao up: groups of 4, barrier, grpo_dis)", "tab:green"),
                                ("trl", "TRL GRPOTrainer (transformers generate)", "tab:orange")):
         r = data["sides"].get(side)
         if not r:
@@ -538,13 +589,14 @@ def plot(data: dict, path: Path) -> None:
 def markdown(data: dict) -> str:
     cfg, sides = data["config"], data["sides"]
     m = data["machine"]
-    lines = [f"# Ours against TRL's GRPOTrainer on calc-agent ({cfg['budget_s']:.0f} s each)", "",
+    lines = [f"# Side by side on calc-agent: streaming, a group barrier, and TRL's GRPOTrainer ({cfg['budget_s']:.0f} s "
+             "each)", "",
              f"Machine: {m['cpu']}, {m['cores']} cores, {m['mem_gib']} GiB, no GPU; {m['platform']}. "
              f"Date: {data['date']}. trl {sides.get('trl', {}).get('trl', '?')}, torch {m['torch']}, transformers "
              f"{m['transformers']}. Commit {data.get('commit', '?')}. Warm start: `{cfg['warm']}` "
              f"({data.get('warmup', '')}).", "",
              f"Command: `{data['command']}`", ""]
-    for side, name in (("ours", "ours"), ("trl", "TRL")):
+    for side, name in NAMES.items():
         r = sides.get(side)
         if not r:
             continue
@@ -561,7 +613,7 @@ def markdown(data: dict) -> str:
               "ended (a learner that did not stop when told): shown, not compared.", "",
               "| side | policy updates | seconds | held-out greedy | turns | evaluation took (s) | scored at (s) |",
               "| --- | --- | --- | --- | --- | --- | --- |"]
-    for side, name in (("ours", "ours"), ("trl", "TRL")):
+    for side, name in NAMES.items():
         r = sides.get(side) or {"points": [], "steps": [], "budget_s": 0}
         for p in r["points"]:
             if p not in compared(r):
@@ -573,8 +625,11 @@ def markdown(data: dict) -> str:
             ev = "–" if p.get("eval_s") is None else f"{p['eval_s']:.0f}"
             lines.append(f"| {name_} | {p['update']} | {secs} | {p['accuracy']:.3f} | {turns} | {ev} | "
                          f"{p['scored_at']:.0f} |")
-    lines += ["", "## Result", "", *comparison(data), ""]
-    for side, name in (("ours", "ours"), ("trl", "TRL")):
+    lines += ["", "## Streaming against a group barrier (ours, sync)", "",
+              "Trajectories per second: those trained after the first step, over the seconds from the first step "
+              "to the last before the budget's cutoff.", "", *sync_table(data), "", *comparison(data, "ours", "sync"),
+              "", "## Against the peer (ours, TRL)", "", *comparison(data, "ours", "trl"), ""]
+    for side, name in NAMES.items():
         r = sides.get(side)
         if r and r["steps"]:
             rewards = ", ".join(f"{s['reward']:.3f}" for s in r["steps"])
@@ -622,18 +677,18 @@ def main(cfg: PeerConfig) -> None:
     record = Path(warm, "warmup.json")
     warmup = json.loads(record.read_text())["summary"] if record.exists() else "not a sao warmup folder"
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
-    data = {"command": cfg.command or shlex.join(["python", "bench/peer_trl.py", *sys.argv[1:]]),
+    data = {"command": cfg.command or shlex.join(["python", "bench/side_by_side.py", *sys.argv[1:]]),
             "commit": commit.strip() or os.environ.get("PEER_COMMIT", "?"),
             "date": datetime.date.today().isoformat(), "machine": machine(), "warmup": f"sao warmup: {warmup}",
             "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()} | {"warm": warm},
             "sides": dict((saved or {}).get("sides", {}))}
     for side in cfg.sides:
-        data["sides"][side] = run_ours(cfg, warm) if side == "ours" else run_trl(cfg, warm)
+        data["sides"][side] = run_trl(cfg, warm) if side == "trl" else run_ours(cfg, warm, side)
         r = data["sides"][side]
         say(f"{side}: " + ", ".join(f"update {p['update']} at {p['seconds'] or 0:.0f} s: {p['accuracy']:.3f}"
                                     for p in r["points"]) + f" ({r['wall_s']:.0f} s in all)")
         write(data, cfg.out)  # after each side: a later failure keeps what finished
-    for line in comparison(data):
+    for line in [*sync_table(data), *comparison(data, "ours", "sync"), *comparison(data, "ours", "trl")]:
         say(line)
 
 
