@@ -6,21 +6,25 @@ lists memory, cpu and pids) or cgroup v1 (one hierarchy per controller, each mou
 The run's group is created under this process's own group of each hierarchy, so the host's limits
 on us still apply above it. A process joins by writing its pid into `cgroup.procs` before it
 starts the sandboxed code (`join_script`), so everything the code forks is inside from the start.
+
+A process killed by SIGKILL cannot remove its groups; the next one to create a group removes
+those of owners no longer alive (`sweep`), and a random part in each name keeps a reused pid from
+meeting a group its earlier owner left.
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 import shlex
 import signal
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 CONTROLLERS = ("memory", "cpu", "pids")
 _PERIOD_US = 100_000
-_names = itertools.count()
+_PREFIX = "sao-sandbox-"
 
 
 class CgroupUnavailable(RuntimeError):
@@ -94,7 +98,9 @@ class RunGroup:
     @classmethod
     def create(cls, version: str, bases: dict[str, Path], *, memory_bytes: int, cpus: float,
                pids: int) -> RunGroup:
-        name = f"sao-sandbox-{os.getpid()}-{next(_names)}"
+        name = f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        for base in bases.values():
+            sweep(base)
         quota = max(1000, int(cpus * _PERIOD_US))
         if version == "v2":
             d = bases[""] / name
@@ -150,6 +156,33 @@ class RunGroup:
                     break
                 except OSError:  # EBUSY until the last process is reaped
                     time.sleep(0.02)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep(base: Path, min_age_s: float = 60.0) -> list[Path]:
+    """Remove the empty run groups under `base` whose owner is dead (killed before it could close
+    them), older than `min_age_s` (a group's owner in another pid namespace may look dead here; the
+    age leaves its run the time to join). A group still holding a process is left: rmdir refuses it."""
+    removed = []
+    for d in base.glob(f"{_PREFIX}*"):
+        try:
+            owner = int(d.name[len(_PREFIX):].split("-", 1)[0])
+            if _alive(owner) or time.time() - d.stat().st_mtime < min_age_s:
+                continue
+            d.rmdir()
+        except (ValueError, OSError):  # not ours, gone meanwhile, or busy
+            continue
+        removed.append(d)
+    return removed
 
 
 def _write(d: Path, settings: dict) -> None:

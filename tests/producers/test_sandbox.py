@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from producers.cgroup import parents
+from producers.cgroup import parents, sweep
 from producers.sandbox import Sandbox, SandboxConfig, SandboxUnavailable, format_result
 
 REPO = Path(__file__).resolve().parents[2]
@@ -157,6 +157,33 @@ def test_refuses_without_a_cgroup_unless_opted_out():
         Sandbox(SandboxConfig(cgroup={"v1": "v2", "v2": "v1"}[offered]))
     res = Sandbox(SandboxConfig(cgroup="off")).run("print('ran')")
     assert res.output == "ran\n" and res.peak_memory_bytes is None
+
+
+def test_groups_left_by_a_killed_owner_are_swept_and_a_reused_pid_meets_none(sandbox):
+    """A producer SIGKILLed mid-run cannot remove its run groups; they piled up (86 on this machine
+    after a day of tests), and a later process given the same pid failed creating a group of the
+    same name (FileExistsError in CI)."""
+    _, bases = parents()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    alive = subprocess.Popen(["sleep", "60"])
+    try:
+        left = [base / f"sao-sandbox-{dead.pid}-{uuid.uuid4().hex[:12]}" for base in bases.values()]
+        held = [base / f"sao-sandbox-{alive.pid}-{uuid.uuid4().hex[:12]}" for base in bases.values()]
+        for d in left + held:
+            d.mkdir()
+        assert all(sweep(base, min_age_s=3600) == [] for base in bases.values()), "too young to sweep"
+        removed = [d for base in bases.values() for d in sweep(base, min_age_s=0)]
+        assert set(left) <= set(removed) and not any(d.exists() for d in left)
+        assert all(d.exists() for d in held), "a live owner's group is left alone"
+        # a pid reused while its earlier owner's group remains: names differ, both runs work
+        res = sandbox.run("print('ran')")
+        assert res.output == "ran\n"
+    finally:
+        alive.kill()
+        alive.wait()
+        for d in held:
+            d.rmdir()
 
 
 def test_writing_outside_its_directory_fails(sandbox):
