@@ -538,7 +538,7 @@ def throughput(r: dict) -> tuple[int, float | None]:
 def sync_table(data: dict) -> list[str]:
     """Ours against sync: trajectories trained per second and seconds to the target accuracy."""
     rows = ["| side | trajectories trained | trajectories per second | policy updates | held-out at start → best "
-            "| target (start + 0.15) | seconds to the target |", "| --- | --- | --- | --- | --- | --- | --- |"]
+            f"| target (start + {TARGET_RISE:g}) | seconds to the target |", "| --- | --- | --- | --- | --- | --- | --- |"]
     rates = {}
     for side in ("ours", "sync"):
         r = data["sides"].get(side)
@@ -615,11 +615,9 @@ def markdown(data: dict) -> str:
               "| --- | --- | --- | --- | --- | --- | --- |"]
     for side, name in NAMES.items():
         r = sides.get(side) or {"points": [], "steps": [], "budget_s": 0}
+        kept = compared(r)
         for p in r["points"]:
-            if p not in compared(r):
-                name_ = f"{name}, *past the budget*"
-            else:
-                name_ = name
+            name_ = name if p in kept else f"{name}, *past the budget*"
             secs = "–" if p["seconds"] is None else f"{p['seconds']:.0f}"
             turns = "–" if p.get("turns") is None else f"{p['turns']:.2f}"
             ev = "–" if p.get("eval_s") is None else f"{p['eval_s']:.0f}"

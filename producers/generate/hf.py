@@ -10,10 +10,10 @@ B rows costs far less than B forwards, throughput rises with the number of reque
 
 Weights may change between any two decode steps: each step holds `_step_lock`; `load_state`
 checks the tensors without it (`load_weights` reads a file first), queues the swap, and the swap
-happens at the next step boundary, in place (`load_state_dict` copies into the live parameters). What the engine is paused
-for is that copy alone (`last_pause_s`), not the read. Every token records the version that
-sampled it. The KV cache built under the old weights is kept across a swap, as asynchronous
-engines do.
+happens at the next step boundary, in place (`load_state_dict` copies into the live parameters).
+What the engine is paused for is that copy alone (`last_pause_s`), not the read. Every token
+records the version that sampled it. The KV cache built under the old weights is kept across a
+swap, as asynchronous engines do.
 
 Log-probs are `log_softmax(logits / T)` of the sampled token in float32, after top-k / top-p
 truncation when enabled (then of the renormalised truncated distribution).
