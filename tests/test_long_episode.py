@@ -7,8 +7,9 @@ beside many short ones, which keep the learner stepping and publishing, so the l
 turns are sampled by several versions. The trajectory is then checked token by token: every action
 token carries a version, the versions never go back and span at least three, observation tokens
 carry none and are masked; each action token's rollout log-prob is what the weights of its own
-version give (recomputed from the published weights), not what a neighbouring version gives; and
-the learner trained it, its fresh tokens counted.
+version give (recomputed from the published weights, replaying the engine's KV cache, which a swap
+mid-turn keeps), not what a neighbouring version gives; and the learner trained it, its fresh
+tokens counted.
 """
 
 from __future__ import annotations
@@ -105,26 +106,41 @@ def test_a_long_episode_spans_versions_and_tool_turns_and_every_token_is_checked
     versions = traj.versions[acted]
     assert (np.diff(versions) >= 0).all(), "a later token carries an older version"
     assert len(set(versions.tolist())) >= 3, f"versions {sorted(set(versions.tolist()))}: fewer than three"
-    # each token's rollout log-prob is its own version's (the producer loaded float32 weights)
+    # each token's rollout log-prob is its own version's (the producer loaded float32 weights),
+    # replayed as the engine computed it: a swap between two decode steps keeps the KV cache the old
+    # weights built, so a turn's prompt is prefilled by the version of its first token and every
+    # later position by the version of the token it predicts
     ws = announcements(kafka_cfg)
     model = build_policy(ModelConfig(name="tiny-llama-bytes")).eval()
     tokens = torch.tensor(traj.tokens, dtype=torch.long)[None]
+    weights = {v: published(ws, v) for v in sorted(set(versions.tolist()))}
 
-    def logprobs(version: int) -> np.ndarray:
-        model.load_state_dict(published(ws, version))
+    def logprob(logits: torch.Tensor, token: int) -> float:
+        return torch.log_softmax(logits.float(), -1)[token].item()
+
+    def forward(ids: torch.Tensor, version: int, cache=None):
+        model.load_state_dict(weights[version])
         with torch.no_grad():
-            logits = model(input_ids=tokens).logits[0, :-1].float()
-        return torch.log_softmax(logits, -1).gather(-1, tokens[0, 1:, None])[:, 0].numpy()  # predicts token t+1
+            return model(input_ids=ids, past_key_values=cache, use_cache=True)
 
-    own = {v: logprobs(v) for v in sorted(set(versions.tolist()))}
+    replayed = np.full(len(traj.tokens), np.nan, np.float32)
     positions = np.flatnonzero(acted)
-    for v, lp in own.items():
+    for q in positions:
+        v = int(traj.versions[q])
+        if not acted[q - 1]:  # a turn starts: the engine prefills everything before it
+            out = forward(tokens[:, :q], v)
+        else:
+            out = forward(tokens[:, q - 1:q], v, out.past_key_values)
+        replayed[q] = logprob(out.logits[0, -1], int(traj.tokens[q]))
+    for v in weights:
         mine = positions[traj.versions[positions] == v]
-        np.testing.assert_allclose(lp[mine - 1], traj.rollout_logprobs[mine], atol=1e-4,
+        np.testing.assert_allclose(replayed[mine], traj.rollout_logprobs[mine], atol=1e-4,
                                    err_msg=f"tokens tagged v{v} are not what v{v}'s weights sample")
-    later = sorted(own)[-1]
+    later = max(weights)
+    newest = forward(tokens, later).logits[0, :-1]
     earlier = positions[traj.versions[positions] < later]
-    assert np.abs(own[later][earlier - 1] - traj.rollout_logprobs[earlier]).max() > 1e-3, \
+    newest_lp = np.array([logprob(newest[q - 1], int(traj.tokens[q])) for q in earlier])
+    assert np.abs(newest_lp - traj.rollout_logprobs[earlier]).max() > 1e-3, \
         "the newest version gives the older tokens the same log-probs: the versions did not differ"
     # the learner trained it, with its staleness judged token by token
     steps = metrics(tmp_path)
