@@ -16,7 +16,8 @@ two tables: ours against sync (trajectories trained per second, seconds to the t
 - **sync**: ours with a group barrier, as GRPO trains: the feeder asks for `--num-generations` (4)
   rollouts of each prompt, the learner holds a group until all of it has arrived and trains whole
   groups (`--update.algorithm grpo_dis`: the group-normalised reward as advantage, no critic, the
-  same DIS mask against the rollout policy), and rollouts may run only one step ahead of training
+  same DIS mask against the rollout policy; or, with `--sync-algorithm sao`, ours' own SAO learner,
+  so that the barrier is the only difference), and rollouts may run only one step ahead of training
   (`--max-lag-steps 1`: the producer plays the next step's groups while the learner trains, on the
   weights it has). Same producer, evaluator, step size, policy lr and micro-batches as ours.
 - **TRL**: `trl.GRPOTrainer` with its own tool calling (`environment_factory`: an environment
@@ -29,7 +30,7 @@ two tables: ours against sync (trajectories trained per second, seconds to the t
   (TRL's Qwen3 response template: SmolLM2's has none). Reward: 1 when the final reply's last
   `Answer: N` is the answer (the scorer `calc-agent` uses), 0 otherwise or when the rollout ends
   still calling tools. 8 rollouts a step (2 prompts x `--num-generations` 4, in micro-batches of 2), 96 new tokens a
-  turn, at most 7 tool rounds (calc-agent's 8 turns), learning rate 2e-5 (ours' policy lr),
+  turn, at most 7 tool rounds (calc-agent's 8 turns), learning rate `--lr` (ours' policy lr),
   constant; the rest TRL's GRPO defaults (loss `dapo`, no KL, clip 0.2, rewards scaled per
   group) but float32 and no gradient checkpointing, as ours trains. Generation is TRL's
   transformers path (`model.generate`, batched, on the CPU): TRL's vLLM path needs vllm<=0.31,
@@ -79,11 +80,12 @@ import tyro  # noqa: E402
 
 Side = Literal["ours", "sync", "trl"]
 
-RUN_AGENT_LEARNER_FLAGS = ("--update.warmup-steps 3 --update.lr-policy 2e-5 --update.lr-critic 5e-4 "
-                           "--update.micro-batch-tokens 1024")
-"""`make run-agent`'s learner flags."""
-SYNC_LEARNER_FLAGS = "--update.algorithm grpo_dis --update.lr-policy 2e-5 --update.micro-batch-tokens 1024"
-"""The sync side's: the group baseline in place of the critic, ours' policy lr and micro-batches."""
+RUN_AGENT_LEARNER_FLAGS = "--update.warmup-steps 3 --update.lr-critic 5e-4 --update.micro-batch-tokens 1024"
+"""`make run-agent`'s learner flags but its policy lr (--lr sets every side's)."""
+SYNC_LEARNER_FLAGS = {"grpo_dis": "--update.algorithm grpo_dis --update.micro-batch-tokens 1024",
+                      "sao": RUN_AGENT_LEARNER_FLAGS}
+"""The sync side's, by --sync-algorithm: the group baseline in place of the critic, or ours' SAO
+behind the barrier; ours' micro-batches either way."""
 TARGET_RISE = 0.15
 """The target of `make run-agent`: held-out accuracy this much above the warm start."""
 NAMES = {"ours": "ours", "sync": "sync", "trl": "TRL"}
@@ -118,7 +120,10 @@ class PeerConfig:
     ours' learner splits a step into micro-batches of 1,024 tokens): fewer pad tokens than one
     batch padded to its longest rollout."""
     lr: float = 2e-5
-    """TRL's learning rate (ours' policy lr, --update.lr-policy)."""
+    """The policy learning rate of every side (ours' and sync's --update.lr-policy, TRL's learning_rate)."""
+    sync_algorithm: Literal["grpo_dis", "sao"] = "grpo_dis"
+    """The sync side's learner: GRPO's group baseline, or SAO's critic behind the same barrier (the
+    barrier alone differs from ours)."""
     warm: str = ""
     """The warm-started folder; empty: `sao warmup --env calc-agent --model smollm2 --demos 100
     --sft.epochs 1` (make run-agent's, cached under runs/warmup)."""
@@ -175,7 +180,8 @@ def say(line: str) -> None:
 
 def ours_command(cfg: PeerConfig, warm: str, run_dir: Path, side: Side) -> list[str]:
     barrier = ["--group-size", str(cfg.num_generations), "--max-lag-steps", "1"] if side == "sync" else []
-    flags = SYNC_LEARNER_FLAGS if side == "sync" else RUN_AGENT_LEARNER_FLAGS
+    flags = SYNC_LEARNER_FLAGS[cfg.sync_algorithm] if side == "sync" else RUN_AGENT_LEARNER_FLAGS
+    flags += f" --update.lr-policy {cfg.lr:g}"
     return [sys.executable, "-m", "sao", "up", "--model", warm, "--env", "calc-agent", "--producers", "1", *barrier,
             "--batch-trajectories", str(cfg.batch), "--max-tokens", str(cfg.max_tokens),
             "--steps", str(cfg.ours_steps or 1_000_000), "--eval-every", str(cfg.eval_every),
@@ -566,7 +572,8 @@ def plot(data: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for side, label, color in (("ours", "ours (sao up: SAO, streaming, vLLM producer)", "tab:blue"),
-                               ("sync", "sync (sao up: groups of 4, barrier, grpo_dis)", "tab:green"),
+                               ("sync", f"sync (sao up: groups of 4, barrier, "
+                                        f"{data['config'].get('sync_algorithm', 'grpo_dis')})", "tab:green"),
                                ("trl", "TRL GRPOTrainer (transformers generate)", "tab:orange")):
         r = data["sides"].get(side)
         if not r:
