@@ -74,7 +74,24 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
-class ProducerConfig(ServiceConfig):
+class EpisodeLimits:
+    """How far an episode may run: one spelling for the services that play them (`sao producer`,
+    `sao eval`), so that held-out episodes are bounded as training's are."""
+
+    max_tokens: int = 256
+    """Most tokens per model turn."""
+    max_turns: int = 8
+    """Most model turns per episode, for multi-turn environments that take it."""
+    max_invalid_calls: int = 3
+    """Tool-using envs that take it: replies in a row whose every tool call failed before the
+    episode ends (finish_reason invalid_calls)."""
+    episode_deadline_s: float = 300.0
+    """Tool-using envs that take it: wall-clock seconds after which an episode's next turn ends it
+    (finish_reason deadline)."""
+
+
+@dataclass(kw_only=True)
+class ProducerConfig(ServiceConfig, EpisodeLimits):
     backend: Literal["hf", "vllm", "http", "sim", "auto"] = "hf"
     """Generator: transformers in-process, vLLM in-process, a completions server (`sao serve`),
     simulated rollouts without a model (load and systems tests; see --sim.*), or auto: vllm where
@@ -98,16 +115,6 @@ class ProducerConfig(ServiceConfig):
     """torch device of the hf backend."""
     temperature: float = 1.0
     """Sampling temperature; the learner must recompute log-probs at the same value."""
-    max_tokens: int = 256
-    """Most tokens per model turn."""
-    max_turns: int = 8
-    """Most model turns per episode, for multi-turn environments that take it."""
-    max_invalid_calls: int = 3
-    """Tool-using envs that take it: replies in a row whose every tool call failed before the
-    episode ends (finish_reason invalid_calls)."""
-    episode_deadline_s: float = 300.0
-    """Tool-using envs that take it: wall-clock seconds after which an episode's next turn ends it
-    (finish_reason deadline)."""
     url: str = "http://127.0.0.1:8000"
     """Completions server of the http backend."""
     serve_token: str = ""

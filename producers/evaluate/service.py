@@ -45,7 +45,7 @@ from schemas.weights.engine import ArchitectureMismatch
 from producers.generate.vllm import VLLMConfig
 from producers.heldout import evaluation_tasks, held_out, split_frac
 from producers.sandbox import SandboxConfig
-from producers.service import choose_backend, env_bounds, learner_generator, make_parts
+from producers.service import EpisodeLimits, choose_backend, env_bounds, learner_generator, make_parts
 from schemas import topics as T
 from schemas.config import ConfigError
 from schemas.kafka import KafkaConfig, ensure_topics, make_consumer, make_producer, produce_and_wait, read_ranges
@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
-class EvalConfig:
+class EvalConfig(EpisodeLimits):
     env: str = "toy-target"
     """Environments evaluated, comma-separated (weights as in `sao feed --env` are ignored), each a
     built-in name, a `sao.envs` entry point or module:attr, as `sao producer --env`; each version
@@ -94,14 +94,6 @@ class EvalConfig:
     """torch device of the hf backend."""
     temperature: float = 1.0
     """Temperature of the sampled episodes (the producers': what training samples at)."""
-    max_tokens: int = 256
-    """Most tokens per model turn."""
-    max_turns: int = 8
-    """Most model turns per episode, for multi-turn environments."""
-    max_invalid_calls: int = 3
-    """Tool-using envs: replies in a row whose every tool call failed before the episode ends."""
-    episode_deadline_s: float = 300.0
-    """Tool-using envs: wall-clock seconds after which an episode's next turn ends it."""
     reward: str = ""
     """module:function(task, text, trajectory) -> float scoring each episode in place of the env's
     (needed for an env without a reward, such as writing); empty: the env's own reward."""
