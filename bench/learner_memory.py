@@ -12,7 +12,6 @@ process's resident set (bench/rss.py).
 from __future__ import annotations
 
 import copy
-import multiprocessing
 import os
 import platform
 import sys
@@ -23,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.rss import PeakRSS  # noqa: E402
+from bench.rss import PeakRSS, in_fresh_process  # noqa: E402
 
 
 @dataclass(kw_only=True)
@@ -66,24 +65,14 @@ def step_memory(args: LearnerMemoryConfig, chunk_tokens: int, out) -> None:
     out.put((memory.before, memory.peak, time.perf_counter() - t0))
 
 
-def measure(args: LearnerMemoryConfig, chunk_tokens: int) -> tuple[int, int, float]:
-    ctx = multiprocessing.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=step_memory, args=(args, chunk_tokens, q))
-    p.start()
-    result = q.get()
-    p.join()
-    return result
-
-
 def main() -> None:
     import tyro  # not at the top: the spawned children import this module, and their memory is measured
 
     args = tyro.cli(LearnerMemoryConfig, description=__doc__)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # the children's RSS tracks live tensors (bench/rss.py)
-    full = measure(args, 1 << 30)  # one chunk: every action token's float32 logits at once
-    chunked = measure(args, args.chunk_tokens)
+    full = in_fresh_process(step_memory, args, 1 << 30)  # one chunk: every action token's float32 logits at once
+    chunked = in_fresh_process(step_memory, args, args.chunk_tokens)
     gib = 2 ** 30
     print(f"learner_memory: SmolLM2-135M shape with {args.layers} layers, 1 x {args.length} tokens per SAO step, "
           f"activation checkpointing, {args.threads} threads  [{platform.machine()}, {os.cpu_count()} cores, "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import multiprocessing
 import os
 import threading
 import time
@@ -42,3 +43,15 @@ class PeakRSS:
     @property
     def added(self) -> int:
         return self.peak - self.before
+
+
+def in_fresh_process(target, *args):
+    """`target(*args, queue)` in a spawned process (nothing allocated before it counts); returns what
+    it put on the queue."""
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=target, args=(*args, q))
+    p.start()
+    result = q.get()
+    p.join()
+    return result

@@ -32,8 +32,8 @@ two tables: ours against sync (trajectories trained per second, seconds to the t
   still calling tools. 8 rollouts a step (2 prompts x `--num-generations` 4, in micro-batches of 2), 96 new tokens a
   turn, at most 7 tool rounds (calc-agent's 8 turns), learning rate `--lr` (ours' policy lr),
   constant; the rest TRL's GRPO defaults (loss `dapo`, no KL, clip 0.2, rewards scaled per
-  group) but float32 and no gradient checkpointing, as ours trains. Generation is TRL's
-  transformers path (`model.generate`, batched, on the CPU): TRL's vLLM path needs vllm<=0.31,
+  group) but float32 with gradient checkpointing, as ours trains (make run-agent's activation
+  checkpointing). Generation is TRL's transformers path (`model.generate`, batched, on the CPU): TRL's vLLM path needs vllm<=0.31,
   not the CPU build the project uses. Every `--eval-every` steps, and before the first, a callback
   scores the policy on the same 32 held-out problems with the same scorer `sao warmup` uses
   (`sao.warmup.held_out_score`: greedy, hf); both scorers let a held-out episode run
@@ -62,6 +62,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import shlex
 import signal
 import subprocess
@@ -80,12 +81,20 @@ import tyro  # noqa: E402
 
 Side = Literal["ours", "sync", "trl"]
 
-RUN_AGENT_LEARNER_FLAGS = "--update.warmup-steps 3 --update.lr-critic 5e-4 --update.micro-batch-tokens 1024"
-"""`make run-agent`'s learner flags but its policy lr (--lr sets every side's)."""
-SYNC_LEARNER_FLAGS = {"grpo_dis": "--update.algorithm grpo_dis --update.micro-batch-tokens 1024",
-                      "sao": RUN_AGENT_LEARNER_FLAGS}
-"""The sync side's, by --sync-algorithm: the group baseline in place of the critic, or ours' SAO
-behind the barrier; ours' micro-batches either way."""
+
+
+def run_agent_learner_flags() -> str:
+    """`make run-agent`'s learner flags (the Makefile's RUN_AGENT_LEARNER_FLAGS, so that ours is what
+    it runs) but its policy lr: --lr sets every side's."""
+    text = (REPO / "Makefile").read_text().replace("\\\n", " ")
+    flags = re.search(r"^RUN_AGENT_LEARNER_FLAGS :=(.*)$", text, re.M).group(1)
+    return " ".join(re.sub(r"--update\.lr-policy \S+", "", flags).split())
+
+
+SYNC_GRPO_FLAGS = ("--update.algorithm grpo_dis --update.micro-batch-tokens 1024 --parallel.activation-checkpointing "
+                   "--checkpoint-every 3")
+"""The sync side's with --sync-algorithm grpo_dis: the group baseline in place of the critic (so no
+critic warm-up or critic lr), ours' micro-batches and checkpoints."""
 TARGET_RISE = 0.15
 """The target of `make run-agent`: held-out accuracy this much above the warm start."""
 NAMES = {"ours": "ours", "sync": "sync", "trl": "TRL"}
@@ -119,8 +128,9 @@ class PeerConfig:
     one generation are one optimizer step, in batch / micro_batch accumulated micro-batches, as
     ours' learner splits a step into micro-batches of 1,024 tokens): fewer pad tokens than one
     batch padded to its longest rollout."""
-    lr: float = 2e-5
-    """The policy learning rate of every side (ours' and sync's --update.lr-policy, TRL's learning_rate)."""
+    lr: float = 5e-6
+    """The policy learning rate of every side: ours' and sync's --update.lr-policy, TRL's learning_rate
+    (default: make run-agent's)."""
     sync_algorithm: Literal["grpo_dis", "sao"] = "grpo_dis"
     """The sync side's learner: GRPO's group baseline, or SAO's critic behind the same barrier (the
     barrier alone differs from ours)."""
@@ -180,8 +190,8 @@ def say(line: str) -> None:
 
 def ours_command(cfg: PeerConfig, warm: str, run_dir: Path, side: Side) -> list[str]:
     barrier = ["--group-size", str(cfg.num_generations), "--max-lag-steps", "1"] if side == "sync" else []
-    flags = SYNC_LEARNER_FLAGS[cfg.sync_algorithm] if side == "sync" else RUN_AGENT_LEARNER_FLAGS
-    flags += f" --update.lr-policy {cfg.lr:g}"
+    grpo = side == "sync" and cfg.sync_algorithm == "grpo_dis"
+    flags = f"{SYNC_GRPO_FLAGS if grpo else run_agent_learner_flags()} --update.lr-policy {cfg.lr:g}"
     return [sys.executable, "-m", "sao", "up", "--model", warm, "--env", "calc-agent", "--producers", "1", *barrier,
             "--batch-trajectories", str(cfg.batch), "--max-tokens", str(cfg.max_tokens),
             "--steps", str(cfg.ours_steps or 1_000_000), "--eval-every", str(cfg.eval_every),
@@ -428,7 +438,7 @@ def trl_worker(cfg: PeerConfig) -> None:
         num_generations=cfg.num_generations, max_steps=cfg.trl_max_steps or 1_000_000, learning_rate=cfg.lr,
         lr_scheduler_type="constant", warmup_steps=0, max_completion_length=cfg.max_turns * cfg.max_tokens + 256,
         generation_kwargs={"max_new_tokens": cfg.max_tokens}, max_tool_calling_iterations=cfg.max_turns - 1,
-        temperature=1.0, use_cpu=True, bf16=False, gradient_checkpointing=False, logging_steps=1,
+        temperature=1.0, use_cpu=True, bf16=False, gradient_checkpointing=True, logging_steps=1,
         save_strategy="no", report_to="none", seed=cfg.seed, disable_tqdm=True, dataloader_num_workers=0)
     trainer = GRPOTrainer(model=model, reward_funcs=final_reply_reward, args=args, train_dataset=dataset,
                           processing_class=tokenizer, environment_factory=CalcTool, callbacks=[Budget()])

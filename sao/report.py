@@ -42,6 +42,13 @@ def load_steps(run_dir: Path) -> list[dict]:
     return lineage(metrics_lines(run_dir / "learner"))
 
 
+def redone_steps(run_dir: Path, steps: list[dict]) -> int:
+    """Step records beyond the lineage `steps`: steps a restarted learner lost and trains again."""
+    from sao.audit import metrics_lines
+
+    return len(metrics_lines(run_dir / "learner")) - len(steps)
+
+
 def load_evaluations(run_dir: Path) -> list[dict]:
     """The evaluator's results (`sao eval --out RUN_DIR/eval.jsonl`), in the order measured."""
     path = run_dir / "eval.jsonl"
@@ -93,6 +100,10 @@ def rise(rewards: list[float], n: int = 5) -> float:
 def summary(run_dir: Path, steps: list[dict], window: int) -> str:
     rewards = [s.get("reward/mean", math.nan) for s in steps]
     lines = [f"run: {run_dir}", f"learner steps: {len(steps)}"]
+    redone = redone_steps(run_dir, steps)
+    if redone:
+        lines.append(f"steps lost to learner restarts: {redone} (trained after the checkpoint a restart went "
+                     "back to; --checkpoint-every bounds them)")
     if steps:
         lines += [f"weights version: {steps[-1].get('weights/version')}",
                   f"trajectories trained: {sum(len(s.get('trajectory_ids', ())) for s in steps)}",

@@ -92,7 +92,10 @@ def test_a_run_stopped_by_sigterm_and_by_sigkill_of_its_tree_resumes_and_loses_n
     assert _steps(run_dir) == list(range(STEPS)), _steps(run_dir)  # every step once, in one lineage
     versions = [e["version"] for e in map(json.loads, (run_dir / "eval.jsonl").read_text().splitlines())]
     assert versions[0] == 0 and len(versions) == len(set(versions)) and max(versions) >= STEPS - 1, versions
-    assert f"learner steps: {STEPS}" in (run_dir / "summary.txt").read_text()
+    summary = (run_dir / "summary.txt").read_text()
+    assert f"learner steps: {STEPS}" in summary
+    lost = (run_dir / "learner" / "metrics.jsonl").read_text().count("\n") - STEPS  # records past the lineage
+    assert (f"steps lost to learner restarts: {lost} " in summary) == (lost > 0), summary
     assert json.loads((run_dir / "model" / "export.json").read_text())["version"] >= STEPS - 1
 
     port = free_port()  # the run's own Kafka data, served again for the audit
