@@ -61,9 +61,10 @@ run-tiny: install
 # cached under runs/warmup), then trained with SAO through the whole pipeline while sao eval scores
 # held-out problems; bench/results/agent_run.md says what it reaches and how long it takes. Policy lr
 # 5e-6: at 1e-5 and 2e-5 the warm start collapsed within 3-6 updates (agent_run.md runs 4, 6, 9).
-# Activation checkpointing and a checkpoint every 3 steps: beside two vLLM engines the learner's
-# ~7.5 GB step peak met the kernel's OOM killer on 24 GiB (runs 8, 9), and a restart went back to
-# the last checkpoint
+# Memory: beside two vLLM engines on 24 GiB the learner met the kernel's OOM killer (runs 8-10), at a
+# step's peak or with a checkpoint's staged copy of the models and optimizers beside it; so
+# activation checkpointing, checkpoints written in the foreground without that copy, and every 3
+# steps (a restart goes back to the last one)
 run-agent: install
 	folder=$$($(VENV)/bin/sao warmup --env calc-agent --model smollm2 --demos 100 --sft.epochs 1) && \
 	$(VENV)/bin/sao up --model "$$folder" --env calc-agent --producers 1 --batch-trajectories 8 --max-tokens 96 \
@@ -71,7 +72,7 @@ run-agent: install
 	  --learner-flags="$(RUN_AGENT_LEARNER_FLAGS)"
 
 RUN_AGENT_LEARNER_FLAGS := --update.warmup-steps 3 --update.lr-policy 5e-6 --update.lr-critic 5e-4 \
-  --update.micro-batch-tokens 1024 --parallel.activation-checkpointing --checkpoint-every 3
+  --update.micro-batch-tokens 1024 --parallel.activation-checkpointing --checkpoint-every 3 --no-checkpoint-background
 
 # docs/configuration.md: its reference, regenerated from the config dataclasses
 readme: install

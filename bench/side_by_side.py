@@ -92,7 +92,7 @@ def run_agent_learner_flags() -> str:
 
 
 SYNC_GRPO_FLAGS = ("--update.algorithm grpo_dis --update.micro-batch-tokens 1024 --parallel.activation-checkpointing "
-                   "--checkpoint-every 3")
+                   "--checkpoint-every 3 --no-checkpoint-background")
 """The sync side's with --sync-algorithm grpo_dis: the group baseline in place of the critic (so no
 critic warm-up or critic lr), ours' micro-batches and checkpoints."""
 TARGET_RISE = 0.15

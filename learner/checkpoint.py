@@ -52,10 +52,15 @@ class Checkpointer:
     file are durable; only then does `then` run on rank 0, which is where the caller commits Kafka
     offsets. One write is in flight at a time; `wait` joins it. Nothing is unpickled on load
     except DCP's own metadata.
+
+    With `background=False` no copy is staged: `save` writes the live tensors and returns once the
+    write is durable. The staged copy holds the models' and optimizers' size in host memory while
+    it is written, on top of the next step's activations; on a CPU learner beside its engines that
+    was the difference between a run and the kernel's OOM killer.
     """
 
-    def __init__(self, root: Path, every: int = 1, keep: int = 2):
-        self.root, self.every, self.keep = Path(root), every, keep
+    def __init__(self, root: Path, every: int = 1, keep: int = 2, background: bool = True):
+        self.root, self.every, self.keep, self.background = Path(root), every, keep, background
         self.rank = dist.get_rank()
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -74,6 +79,10 @@ class Checkpointer:
         if self.rank == 0:  # a crashed attempt at this step (another world size, say) left its shards here
             shutil.rmtree(tmp, ignore_errors=True)
         dist.barrier(group=self.group)  # no rank writes before the leftovers are gone
+        if not self.background:
+            self._write(tensors, step, tmp, data, then)
+            self.wait()
+            return
         staged = host_copy(tensors)
         self._writer = threading.Thread(target=self._write, args=(staged, step, tmp, data, then),
                                         name="checkpoint-writer")

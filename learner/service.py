@@ -73,6 +73,10 @@ class LearnerConfig:
     checkpoint_every: int = 10
     """Checkpoint every this many steps (offsets are committed to Kafka only then, so a crash
     replays at most this many steps; the weight versions published meanwhile are never reused)."""
+    checkpoint_background: bool = True
+    """Write checkpoints from a host copy on a thread while training goes on; the copy holds the
+    models' and optimizers' size in memory meanwhile. Off: the step waits for the write and no copy
+    is made (a memory-bound CPU learner)."""
     max_steps: int = 0
     """Stop after this many steps in total (0: run until SIGTERM)."""
     prefetch: int = 512
@@ -140,7 +144,7 @@ class Learner:
                                                 cfg.model.lora)
         self.model_config = self.policy.config
         self.update = SAOUpdate(self.policy, self.critic, cfg.update)
-        self.ckpt = Checkpointer(cfg.run_dir / "checkpoints", cfg.checkpoint_every)
+        self.ckpt = Checkpointer(cfg.run_dir / "checkpoints", cfg.checkpoint_every, background=cfg.checkpoint_background)
         self.store = WeightStore(cfg.weights_dir, cfg.keep_weights)
         self.version = 0
         self.restarts: list[tuple[int, int]] = []  # (restored version, its new number): see continue_versions

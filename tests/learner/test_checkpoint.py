@@ -48,3 +48,18 @@ def test_a_failed_checkpoint_write_is_raised_and_commits_nothing(tmp_path, group
     with pytest.raises(RuntimeError, match="checkpoint write failed"):
         ckpt.wait()
     assert committed == []
+
+
+def test_a_checkpoint_in_the_foreground_is_durable_when_save_returns_and_a_failure_raises_there(tmp_path,
+                                                                                                 group_of_one):
+    ckpt, durable = Checkpointer(tmp_path / "c", background=False), []
+    weights = torch.zeros(3)
+    ckpt.save(1, {"model": {"w": weights}}, then=lambda: durable.append(1))
+    assert durable == [1] and ckpt.latest().name == "step00000001"  # no write left in flight
+    weights += 1
+    assert torch.equal(Checkpointer.load(ckpt.latest(), {"model": {"w": torch.ones(3)}})["model"]["w"], torch.zeros(3))
+    shutil.rmtree(tmp_path / "c")
+    (tmp_path / "c").write_text("a file where the folder should be")
+    with pytest.raises(RuntimeError, match="checkpoint write failed"):
+        ckpt.save(2, {"model": {"w": weights}}, then=lambda: durable.append(2))
+    assert durable == [1]
