@@ -82,7 +82,6 @@ import tyro  # noqa: E402
 Side = Literal["ours", "sync", "trl"]
 
 
-
 def run_agent_learner_flags() -> str:
     """`make run-agent`'s learner flags (the Makefile's RUN_AGENT_LEARNER_FLAGS, so that ours is what
     it runs) but its policy lr: --lr sets every side's."""

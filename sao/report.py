@@ -42,13 +42,6 @@ def load_steps(run_dir: Path) -> list[dict]:
     return lineage(metrics_lines(run_dir / "learner"))
 
 
-def redone_steps(run_dir: Path, steps: list[dict]) -> int:
-    """Step records beyond the lineage `steps`: steps a restarted learner lost and trains again."""
-    from sao.audit import metrics_lines
-
-    return len(metrics_lines(run_dir / "learner")) - len(steps)
-
-
 def load_evaluations(run_dir: Path) -> list[dict]:
     """The evaluator's results (`sao eval --out RUN_DIR/eval.jsonl`), in the order measured."""
     path = run_dir / "eval.jsonl"
@@ -97,12 +90,13 @@ def rise(rewards: list[float], n: int = 5) -> float:
     return _mean(rewards[-n:]) - _mean(rewards[:n]) if len(rewards) >= 2 * n else math.nan
 
 
-def summary(run_dir: Path, steps: list[dict], window: int) -> str:
+def summary(run_dir: Path, steps: list[dict], window: int, lost: int = 0) -> str:
+    """`lost`: step records beyond the lineage `steps`, trained after the checkpoint a restarted
+    learner went back to."""
     rewards = [s.get("reward/mean", math.nan) for s in steps]
     lines = [f"run: {run_dir}", f"learner steps: {len(steps)}"]
-    redone = redone_steps(run_dir, steps)
-    if redone:
-        lines.append(f"steps lost to learner restarts: {redone} (trained after the checkpoint a restart went "
+    if lost:
+        lines.append(f"steps lost to learner restarts: {lost} (trained after the checkpoint a restart went "
                      "back to; --checkpoint-every bounds them)")
     if steps:
         lines += [f"weights version: {steps[-1].get('weights/version')}",
@@ -204,8 +198,11 @@ def episode_panels(axes, steps: list[dict]) -> None:
 
 
 def write(run_dir: Path, window: int = 10) -> str:
-    steps = load_steps(run_dir)
-    text = summary(run_dir, steps, window)
+    from sao.audit import lineage, metrics_lines
+
+    records = metrics_lines(run_dir / "learner")  # read once: the lineage and what it superseded
+    steps = lineage(records)
+    text = summary(run_dir, steps, window, lost=len(records) - len(steps))
     (run_dir / "summary.txt").write_text(text)
     plot(run_dir, steps, window)
     return text
