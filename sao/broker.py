@@ -62,6 +62,10 @@ class BrokerConfig:
     """Where the Kafka jars are fetched to, once."""
     heap: str = "512m"
     """JVM heap of each node."""
+    start_timeout: float = 120.0
+    """Seconds the nodes get to answer before the start fails with their logs' tails. A node alone
+    (--node) answers only once a quorum of the cluster's controllers has formed, so it waits on the
+    slowest of its peers too."""
     kind: str = "auto"
     """`kafka` (needs Java), `tansu` (memory-only fallback, one node) or `auto` (kafka when Java exists)."""
     secure: bool = False
@@ -264,6 +268,16 @@ class KafkaNode:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def log_tail(self, lines: int = 15) -> str:
+        """The last lines of this node's console and Kafka logs, headed by their paths."""
+        parts = []
+        for name in ("stdout.log", "broker.log"):
+            path = self.data_dir / name
+            tail = path.read_text(errors="replace").splitlines()[-lines:] if path.exists() else []
+            if tail:
+                parts.append(f"--- node {self.id}: {path}\n" + "\n".join(tail))
+        return "\n".join(parts) or f"--- node {self.id}: no log in {self.data_dir}"
+
     def kill(self) -> None:
         """SIGKILL: no controlled shutdown, as when its machine dies."""
         if self.alive():
@@ -356,13 +370,16 @@ class EmbeddedBroker:
         for node, (_, serve) in zip(nodes, commands):
             node.launch(serve)
 
-    def start(self, timeout: float = 120.0) -> EmbeddedBroker:
+    def start(self) -> EmbeddedBroker:
         self._launch(self.nodes)
         try:  # a node alone (--node) is up once it answers; the others may not have started yet
-            wait_for_broker(self.bootstrap, timeout, self._settings(), brokers=len(self.nodes))
+            wait_for_broker(self.bootstrap, self.cfg.start_timeout, self._settings(), brokers=len(self.nodes))
         except TimeoutError:
             self.stop()
-            raise RuntimeError(f"{self.kind} broker did not start; see {self.data_dir}/**/stdout.log") from None
+            # the tails, not a path: in a container the data folder is a volume nobody reads
+            tails = "\n".join(n.log_tail() for n in self.nodes)
+            raise RuntimeError(f"{self.kind} broker did not answer in {self.cfg.start_timeout:.0f} s "
+                               f"(--start-timeout); its logs end:\n{tails}") from None
         if self.security and not self.cfg.node:  # a node alone: `sao access` once every node is up
             apply_access(self.admin(), self.access_dir, self.security.ca)
         return self

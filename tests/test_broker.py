@@ -110,7 +110,7 @@ def test_three_sao_broker_nodes_in_their_own_processes_form_one_cluster(tmp_path
     """As docker-compose.cluster.yml runs them: `--node N` each, ports and quorum from --port."""
     port = free_ports(6)  # clients on port .. port + 2, controllers on port + 3 .. port + 5
     procs = [_serve("--brokers", "3", "--node", str(n), "--port", str(port), "--cluster-id", "c2FvLXRlc3QtY2x1c3Rlcg",
-                    "--data-dir", str(tmp_path / f"n{n}")) for n in (1, 2, 3)]
+                    "--data-dir", str(tmp_path / f"n{n}"), "--start-timeout", "300") for n in (1, 2, 3)]
     try:
         try:  # three JVMs, each formatting its log and then electing a quorum: minutes on a loaded 2-core machine
             wait_for_broker(f"127.0.0.1:{port}", timeout=300, brokers=3)
@@ -123,3 +123,18 @@ def test_three_sao_broker_nodes_in_their_own_processes_form_one_cluster(tmp_path
     finally:
         for p in procs:
             p.kill()
+
+
+def test_a_node_that_never_gets_a_quorum_fails_with_its_logs(tmp_path):
+    """One node of three alone cannot elect a controller: it gives up after --start-timeout and says
+    what its logs end with, since in a container its data folder is a volume nobody reads."""
+    port = free_ports(6)
+    proc = _serve("--brokers", "3", "--node", "2", "--port", str(port), "--cluster-id", "c2FvLXRlc3QtY2x1c3Rlcg",
+                  "--data-dir", str(tmp_path / "n2"), "--start-timeout", "20")
+    try:
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0
+    assert "did not answer in 20 s (--start-timeout)" in out, out[-2000:]
+    assert f"--- node 2: {tmp_path / 'n2' / 'broker.log'}" in out, out[-2000:]

@@ -134,8 +134,8 @@ def report(fault: str, down_s: float, kafka: KafkaConfig, pipeline: Pipeline, at
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """Three brokers on loopback, shared by the cases (each restores the one it killed)."""
-    broker = EmbeddedBroker(BrokerConfig(brokers=3, port=0, data_dir=tmp_path_factory.mktemp("cluster")))
-    broker.start(timeout=240)
+    broker = EmbeddedBroker(BrokerConfig(brokers=3, port=0, data_dir=tmp_path_factory.mktemp("cluster"), start_timeout=240))
+    broker.start()
     try:
         assert set(replication(broker.bootstrap).values()) == {(3, "2")}
         yield broker

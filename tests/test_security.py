@@ -31,8 +31,9 @@ TOPICS = [t.name() for t in (*T.ALL, CONTROL)]
 def secured(tmp_path_factory):
     """A secured three-node cluster (quorum over mutual TLS, brokers over SASL_SSL), as `sao broker
     --brokers 3 --secure` starts it; the pipeline test below secures a single node."""
-    broker = EmbeddedBroker(BrokerConfig(port=0, brokers=3, secure=True, data_dir=tmp_path_factory.mktemp("secured")))
-    broker.start(timeout=300)  # three JVMs and a quorum on two loaded cores (tests/test_broker.py)
+    broker = EmbeddedBroker(BrokerConfig(port=0, brokers=3, secure=True, data_dir=tmp_path_factory.mktemp("secured"),
+                                         start_timeout=300))
+    broker.start()  # three JVMs and a quorum on two loaded cores (tests/test_broker.py)
     try:
         yield broker
     finally:
