@@ -79,6 +79,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import tyro  # noqa: E402
 
+from producers.evaluate.scores import paired_change  # noqa: E402
+
 Side = Literal["ours", "sync", "trl"]
 
 
@@ -262,7 +264,7 @@ def run_ours(cfg: PeerConfig, warm: str, side: Side) -> dict:
         v = int(e["version"])
         points.append({"update": v, "seconds": published.get(v), "accuracy": e["greedy/mean"],
                        "turns": e.get("episode/turns"), "eval_s": e.get("seconds"), "scored_at": e["time"] - t0,
-                       "figures": {k: x for k, x in e.items() if "/" in k}})
+                       "figures": {k: x for k, x in e.items() if "/" in k}, "tasks": e.get("tasks")})
     return {"side": side, "command": shlex.join(["sao", *cmd[3:]]), "started": before["at"],
             "load_before": before["loadavg"], "load_after": after["loadavg"], "budget_s": cfg.budget_s,
             "stopped_at_s": stopped_at, "wall_s": wall, "exit": proc.returncode,
@@ -406,9 +408,10 @@ def trl_worker(cfg: PeerConfig) -> None:
     def evaluate(update: int, seconds: float) -> None:
         e0 = time.time()
         f = held_out_score(wcfg, model, env, scorer_tokenizer)
+        tasks = f.pop("tasks")
         points.append({"update": update, "seconds": seconds, "accuracy": f["greedy/mean"],
                        "turns": f.get("episode/turns"), "eval_s": time.time() - e0, "scored_at": time.time() - t0,
-                       "figures": f})
+                       "figures": f, "tasks": tasks})
         say(f"TRL EVAL step {update} at {seconds:.0f} s: greedy/mean {f['greedy/mean']:.3f} turns "
             f"{f.get('episode/turns', float('nan')):.2f} ({time.time() - e0:.0f} s)")
         model.train()
@@ -627,8 +630,12 @@ def markdown(data: dict) -> str:
               "optimizer step ended), from the side's start; `scored at` is when its evaluation ended.", "",
               "A point marked *past the budget* is of weights made after the step in progress at the budget "
               "ended (a learner that did not stop when told): shown, not compared.", "",
-              "| side | policy updates | seconds | held-out greedy | turns | evaluation took (s) | scored at (s) |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]
+              "`against update 0`: the held-out problems this version solves and update 0 did not (+), those update 0 "
+              "solved and it does not (−), and the exact sign test's p-value of that split: the chance of one at "
+              "least as lopsided if training had changed nothing (producers/evaluate/scores.py).", "",
+              "| side | policy updates | seconds | held-out greedy | against update 0 | turns | evaluation took (s) | "
+              "scored at (s) |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for side, name in NAMES.items():
         r = sides.get(side) or {"points": [], "steps": [], "budget_s": 0}
         kept = compared(r)
@@ -637,8 +644,8 @@ def markdown(data: dict) -> str:
             secs = "–" if p["seconds"] is None else f"{p['seconds']:.0f}"
             turns = "–" if p.get("turns") is None else f"{p['turns']:.2f}"
             ev = "–" if p.get("eval_s") is None else f"{p['eval_s']:.0f}"
-            lines.append(f"| {name_} | {p['update']} | {secs} | {p['accuracy']:.3f} | {turns} | {ev} | "
-                         f"{p['scored_at']:.0f} |")
+            lines.append(f"| {name_} | {p['update']} | {secs} | {p['accuracy']:.3f} | {against(r['points'][0], p)} | "
+                         f"{turns} | {ev} | {p['scored_at']:.0f} |")
     lines += ["", "## Streaming against a group barrier (ours, sync)", "",
               "Trajectories per second: those trained after the first step, over the seconds from the first step "
               "to the last before the budget's cutoff.", "", *sync_table(data), "", *comparison(data, "ours", "sync"),
@@ -652,6 +659,15 @@ def markdown(data: dict) -> str:
     lines += ["", f"![accuracy against seconds]({Path(cfg['out']).with_suffix('.png').name})", "",
               f"Notes on this run: [{notes}]({notes}).", ""]
     return "\n".join(lines)
+
+
+def against(first: dict, p: dict) -> str:
+    """`+gained −lost (p …)` of point p against the side's first, task by task; – where either has
+    no per-task scores (results from before they were recorded) or p is the first."""
+    if p is first or not first.get("tasks") or not p.get("tasks"):
+        return "–"
+    c = paired_change(first["tasks"], p["tasks"])
+    return f"+{c['gained']} −{c['lost']} (p {c['p']:.2f})"
 
 
 def machine() -> dict:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import tyro
 
-from producers.evaluate.scores import by_env, headline
+from producers.evaluate.scores import by_env, headline, paired_change
 
 PANELS = [("reward/mean", "mean reward"), ("value/explained_var", "critic explained variance"),
           ("dis/kept_frac", "DIS kept fraction"), ("stale/p99", "staleness p99 (versions)"),
@@ -49,8 +49,9 @@ def load_evaluations(run_dir: Path) -> list[dict]:
 
 
 def evaluation_summary(results: list[dict]) -> list[str]:
-    """The held-out score of the first and the last version evaluated, and the change; one line
-    per environment where the run evaluated several."""
+    """The held-out score of the first and the last version evaluated, and the change, task by task
+    where both have per-task scores (how many tasks went each way, and the chance of such a split
+    under no change); one line per environment where the run evaluated several."""
     envs = by_env(results)
     lines = []
     for env, scored in envs.items():
@@ -58,8 +59,12 @@ def evaluation_summary(results: list[dict]) -> list[str]:
         name, before = headline(first)
         after = headline(last)[1]
         on = f" on {env}" if len(envs) > 1 else ""
-        lines.append(f"held-out {name}{on} (sao eval, {len(scored)} versions): v{first['version']} {before:.3f} -> "
-                     f"v{last['version']} {after:.3f} ({after - before:+.3f})")
+        line = (f"held-out {name}{on} (sao eval, {len(scored)} versions): v{first['version']} {before:.3f} -> "
+                f"v{last['version']} {after:.3f} ({after - before:+.3f}")
+        if len(scored) > 1 and len(first.get("tasks", ())) == len(last.get("tasks", ())) > 0:
+            c = paired_change(first["tasks"], last["tasks"])
+            line += f"; of {len(first['tasks'])} tasks {c['gained']} gained, {c['lost']} lost, sign test p={c['p']:.2f}"
+        lines.append(line + ")")
     return lines
 
 

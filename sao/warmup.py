@@ -60,11 +60,12 @@ class WarmupConfig:
         return self.out / f"{self.env}-{Path(self.model).name}-{key}"
 
 
-def held_out_score(cfg: WarmupConfig, model, env, tokenizer) -> dict[str, float]:
-    """Greedy figures of `model` on the env's held-out tasks (producers/evaluate)."""
+def held_out_score(cfg: WarmupConfig, model, env, tokenizer) -> dict:
+    """Greedy figures of `model` on the env's held-out tasks (producers/evaluate), and under `tasks`
+    each task's reward in task order, as `sao eval --out` writes them."""
     from producers.envs.chat import Chat
     from producers.evaluate.service import EvalConfig, suite_tasks
-    from producers.evaluate.suite import Suite, figures
+    from producers.evaluate.suite import Suite, figures, per_task
     from producers.generate.hf import HFGenerator
 
     ecfg = EvalConfig(env=cfg.env, samples=0, tasks=cfg.eval_tasks, heldout_frac=cfg.heldout_frac,
@@ -74,7 +75,8 @@ def held_out_score(cfg: WarmupConfig, model, env, tokenizer) -> dict[str, float]
     try:
         suite = Suite(cfg=ecfg, env=env, generator=generator, tasks=tasks, split=split,
                       stops=Chat(tokenizer).stop_token_ids())
-        return figures(ecfg, asyncio.run(suite.play(0)), 0)
+        played = asyncio.run(suite.play(0))
+        return figures(ecfg, played, 0) | {"tasks": per_task(ecfg, played)}
     finally:
         generator.close()
 

@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+from producers.evaluate.scores import paired_change
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -104,6 +106,11 @@ def test_a_run_of_two_environments_scores_first_and_last_versions_on_each_and_re
     assert all(0 <= s[f"env/{n}/dis_kept_frac"] <= 1 for s in steps for n in envs if f"env/{n}/reward" in s)
     summary = (tmp_path / "summary.txt").read_text()
     assert all(f"held-out greedy/mean on {n} (sao eval" in summary and f"env {n}: " in summary for n in envs), summary
+    for name in envs:  # first against last version, task by task, from eval.jsonl's per-task scores
+        mine = [s for s in scored if s["env"] == name]
+        c = paired_change(mine[0]["tasks"], mine[-1]["tasks"])
+        assert f"of {len(mine[0]['tasks'])} tasks {c['gained']} gained, {c['lost']} lost, sign test p={c['p']:.2f})" \
+            in summary, summary
     assert "process eval: stopped, 0 restart(s)" in summary, summary
     assert f"model: version 7 exported to {tmp_path / 'model'}" in out.stdout, out.stdout[-2000:]
     assert json.loads((tmp_path / "model" / "export.json").read_text())["version"] == 7

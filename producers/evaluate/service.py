@@ -37,7 +37,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_serv
 
 from producers.envs import env_factory, env_mixture
 from producers.evaluate.scores import headline
-from producers.evaluate.suite import Suite, figures
+from producers.evaluate.suite import Suite, figures, per_task
 from producers.evaluate.versions import Versions, due, final
 from producers.feeder.datasets import load_rows
 from producers.generate.base import SamplingParams
@@ -233,11 +233,12 @@ class Evaluator:
             self.publish(Evaluation(version=version, step=announced.step, env=env, suite=self.cfg.name,
                                     split=suite.split, num_tasks=len(suite.tasks), samples=self.cfg.samples,
                                     metrics=figures(self.cfg, played, version), evaluator=self.cfg.evaluator_id,
-                                    seconds=time.perf_counter() - t0))
+                                    seconds=time.perf_counter() - t0), per_task(self.cfg, played))
             t0 = time.perf_counter()
         return True
 
-    def publish(self, e: Evaluation) -> None:
+    def publish(self, e: Evaluation, tasks: list[float]) -> None:
+        """To the evaluations topic, and with each task's score (`tasks`, task order) to --out."""
         topic = self.cfg.kafka.topic(T.EVALUATIONS)
         while True:  # a broker outage delays the result; a copy sent twice is the same result under one key
             try:
@@ -250,7 +251,7 @@ class Evaluator:
         self.metrics.record(e)
         if self.cfg.out:
             line = {"version": e.version, "step": e.step, "env": e.env, "suite": e.suite, "split": e.split,
-                    "time": e.created_at, "seconds": e.seconds, **e.metrics}
+                    "time": e.created_at, "seconds": e.seconds, **e.metrics, "tasks": tasks}
             with open(self.cfg.out, "a") as f:
                 f.write(json.dumps(line) + "\n")
         name, value = headline(e.metrics)

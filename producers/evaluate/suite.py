@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from producers.episode import TrajectoryIds, run_episode
-from producers.evaluate.scores import episode_scores, greedy_scores, sampled_scores
+from producers.evaluate.scores import episode_scores, greedy_scores, sampled_scores, task_scores
 from producers.generate.base import MAX_SEED
 from schemas.boundary import Bounds, call
 from schemas.config import ConfigError
@@ -66,6 +66,16 @@ class Suite:
         return out
 
 
+def rewards(played: dict[int, list[Trajectory | None]]) -> dict[int, list[float]]:
+    """Each task's episode rewards, a failed episode's 0."""
+    return {t: [0.0 if x is None else x.reward for x in row] for t, row in played.items()}
+
+
+def per_task(cfg: EvalConfig, played: dict[int, list[Trajectory | None]]) -> list[float]:
+    """One score per task in task order (scores.task_scores), to compare versions task by task."""
+    return task_scores(list(rewards(played).values()), cfg.greedy)
+
+
 def figures(cfg: EvalConfig, played: dict[int, list[Trajectory | None]], version: int) -> dict[str, float]:
     """The evaluation's figures from its episodes (a failed one scores 0); checks that every action
     token was sampled by `version`, and that the env (or --reward) gave every episode a reward."""
@@ -77,11 +87,11 @@ def figures(cfg: EvalConfig, played: dict[int, list[Trajectory | None]], version
                                f"{sorted(set(acted.tolist()))}; the engine changed weights mid-evaluation")
         if traj.reward is None:
             raise ConfigError(f"--env {traj.env} gives no reward of its own: give sao eval --reward module:function")
-    rewards = {t: [0.0 if x is None else x.reward for x in row] for t, row in played.items()}
+    scored = rewards(played)
     metrics = {}
     if cfg.greedy:
-        metrics |= greedy_scores([row[0] for row in rewards.values()], cfg.success)
+        metrics |= greedy_scores([row[0] for row in scored.values()], cfg.success)
     if cfg.samples:
-        metrics |= sampled_scores([row[int(cfg.greedy):] for row in rewards.values()], cfg.success)
+        metrics |= sampled_scores([row[int(cfg.greedy):] for row in scored.values()], cfg.success)
     n = sum(len(row) for row in played.values())
     return metrics | episode_scores(episodes) | {"episode/errors": (n - len(episodes)) / n}

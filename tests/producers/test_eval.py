@@ -87,6 +87,8 @@ def test_the_first_every_nth_and_at_a_stop_the_newest_version_are_scored_each_of
     assert {"greedy/mean", "sampled/mean@2", "sampled/pass@2", "episode/errors"} <= set(got[0].metrics)
     lines = [json.loads(x) for x in (tmp_path / "eval.jsonl").read_text().splitlines()]
     assert [x["version"] for x in lines] == [0, 3, 4] and lines[1]["greedy/mean"] == got[1].metrics["greedy/mean"]
+    # each task's greedy reward, in task order: what compares two versions task by task
+    assert all(len(x["tasks"]) == 4 and sum(x["tasks"]) / 4 == pytest.approx(x["greedy/mean"]) for x in lines)
     # v3's greedy figures are those of v3's weights, played here in-process
     model = load_model("tiny-llama", seed=0)
     model.load_state_dict({k: W.to_torch(t) for k, t in line.states[3].items()})

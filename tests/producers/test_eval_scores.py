@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from producers.evaluate.scores import episode_scores, greedy_scores, headline, pass_at_k, sampled_scores
+from producers.evaluate.scores import (episode_scores, greedy_scores, headline, paired_change, pass_at_k, sampled_scores,
+                                      sign_test, task_scores)
 from producers.evaluate.versions import due, final
 from schemas.messages import Trajectory
 
@@ -44,6 +45,36 @@ def test_greedy_and_sampled_figures_by_hand():
     assert got["sampled/best@2"] == pytest.approx((1 + 0 + 1) / 3)
     assert headline(got) == ("sampled/mean@2", got["sampled/mean@2"])
     assert headline({"greedy/mean": 0.25, **got}) == ("greedy/mean", 0.25)
+
+
+def test_task_scores_are_the_greedy_reward_or_the_samples_mean_in_task_order():
+    assert task_scores([[1.0, 0.0, 0.0], [0.0, 1.0, 1.0]], greedy=True) == [1.0, 0.0]
+    assert task_scores([[1.0, 0.0], [0.5, 1.0]], greedy=False) == [0.5, 0.75]
+
+
+def test_paired_change_counts_the_tasks_each_way_and_the_sign_test_by_hand():
+    # 32 tasks: 12 solved by both, 2 by before alone, 7 by after alone
+    before = [1.0] * 12 + [1.0] * 2 + [0.0] * 7 + [0.0] * 11
+    after = [1.0] * 12 + [0.0] * 2 + [1.0] * 7 + [0.0] * 11
+    got = paired_change(before, after)
+    assert (got["gained"], got["lost"]) == (7, 2)
+    assert got["p"] == pytest.approx(2 * (1 + 9 + 36) / 2 ** 9)  # P(<= 2 of 9 fair coins one way), both tails
+    assert paired_change(after, before)["p"] == got["p"] and sign_test(0, 0) == 1.0 and sign_test(3, 3) == 1.0
+    assert sign_test(0, 6) == pytest.approx(2 / 64)
+    assert paired_change([0.5, 1.0], [1.0, 0.5]) == {"gained": 1, "lost": 1, "p": 1.0}  # graded rewards: the sign
+    with pytest.raises(ValueError, match="same tasks"):
+        paired_change([1.0], [1.0, 0.0])
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 7), st.integers(0, 7))
+def test_the_sign_test_is_the_two_sided_binomial_tail(gained, lost):
+    n = gained + lost
+    if n == 0:
+        return
+    splits = list(itertools.product((0, 1), repeat=n))  # every way n fair coins can fall
+    extreme = sum(min(sum(s), n - sum(s)) <= min(gained, lost) for s in splits) / len(splits)
+    assert sign_test(gained, lost) == pytest.approx(extreme)
 
 
 def _episode(n_prompt: int, n_response: int, finish: str, turns: int) -> Trajectory:
