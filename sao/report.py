@@ -108,7 +108,8 @@ def summary(run_dir: Path, steps: list[dict], window: int, lost: int = 0) -> str
                   f"trajectories trained: {sum(len(s.get('trajectory_ids', ())) for s in steps)}",
                   f"first reward (mean of steps 1-{min(window, len(steps))}): {_mean(rewards[:window]):+.3f}",
                   f"last reward (mean of the last {min(window, len(steps))} steps): {_mean(rewards[-window:]):+.3f}",
-                  f"reward rise (mean of the last 5 steps - mean of the first 5): {rise(rewards):+.3f}",
+                  "reward rise (mean of the last 5 steps - mean of the first 5): " +
+                  (f"{rise(rewards):+.3f}" if len(rewards) >= 10 else "- (needs 10 steps)"),
                   f"DIS kept fraction, last step: {steps[-1].get('dis/kept_frac', math.nan):.4f}",
                   f"staleness p99, highest over the steps: {max(s.get('stale/p99', 0) for s in steps):.0f}",
                   f"dropped as stale: {steps[-1].get('count/stale', 0)}",

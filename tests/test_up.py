@@ -106,6 +106,8 @@ def test_a_run_of_two_environments_scores_first_and_last_versions_on_each_and_re
     assert all(0 <= s[f"env/{n}/dis_kept_frac"] <= 1 for s in steps for n in envs if f"env/{n}/reward" in s)
     summary = (tmp_path / "summary.txt").read_text()
     assert all(f"held-out greedy/mean on {n} (sao eval" in summary and f"env {n}: " in summary for n in envs), summary
+    assert ("reward rise (mean of the last 5 steps - mean of the first 5): - (needs 10 steps)" in summary) == \
+        (len(steps) < 10), summary
     for name in envs:  # first against last version, task by task, from eval.jsonl's per-task scores
         mine = [s for s in scored if s["env"] == name]
         c = paired_change(mine[0]["tasks"], mine[-1]["tasks"])
