@@ -65,7 +65,7 @@ run-tiny: install
 # step's peak or with a checkpoint's staged copy of the models and optimizers beside it; so
 # activation checkpointing, checkpoints written in the foreground without that copy, and every 3
 # steps (a restart goes back to the last one). 24 steps (~38 min): over 12 (9 policy updates) held-out
-# accuracy moved by chance alone, by 21 updates it rose beyond chance (agent_run.md runs 11, 14)
+# accuracy moved by chance alone; in 24 it rose beyond chance by update 12 twice (agent_run.md runs 14, 15)
 run-agent: install
 	folder=$$($(VENV)/bin/sao warmup --env calc-agent --model smollm2 --demos 100 --sft.epochs 1) && \
 	$(VENV)/bin/sao up --model "$$folder" --env calc-agent --producers 1 --batch-trajectories 8 --max-tokens 96 \
