@@ -90,7 +90,11 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else math.nan
 
 
-def rise(rewards: list[float], n: int = 5) -> float:
+RISE_STEPS = 5
+"""Steps at each end of a run whose mean rewards `rise` compares."""
+
+
+def rise(rewards: list[float], n: int = RISE_STEPS) -> float:
     """Mean reward of the last `n` steps minus that of the first `n`: did the run learn."""
     return _mean(rewards[-n:]) - _mean(rewards[:n]) if len(rewards) >= 2 * n else math.nan
 
@@ -108,8 +112,8 @@ def summary(run_dir: Path, steps: list[dict], window: int, lost: int = 0) -> str
                   f"trajectories trained: {sum(len(s.get('trajectory_ids', ())) for s in steps)}",
                   f"first reward (mean of steps 1-{min(window, len(steps))}): {_mean(rewards[:window]):+.3f}",
                   f"last reward (mean of the last {min(window, len(steps))} steps): {_mean(rewards[-window:]):+.3f}",
-                  "reward rise (mean of the last 5 steps - mean of the first 5): " +
-                  (f"{rise(rewards):+.3f}" if len(rewards) >= 10 else "- (needs 10 steps)"),
+                  f"reward rise (mean of the last {RISE_STEPS} steps - mean of the first {RISE_STEPS}): " +
+                  (f"{rise(rewards):+.3f}" if len(rewards) >= 2 * RISE_STEPS else f"- (needs {2 * RISE_STEPS} steps)"),
                   f"DIS kept fraction, last step: {steps[-1].get('dis/kept_frac', math.nan):.4f}",
                   f"staleness p99, highest over the steps: {max(s.get('stale/p99', 0) for s in steps):.0f}",
                   f"dropped as stale: {steps[-1].get('count/stale', 0)}",
