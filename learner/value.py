@@ -195,16 +195,26 @@ def value_moments_by_position(values: Tensor, returns: Tensor, action_mask: Tens
     return out
 
 
-def _variance(m: dict[str, float], x: str) -> float:
-    """Var(x) from the means of x and x² over a share n of the tokens; 0 when it is rounding noise."""
+def _variance(m: dict[str, float], x: str, *scales: str) -> float:
+    """Var(x) from the means of x and x² over a share n of the tokens; 0 when it is rounding noise,
+    relative to the mean square of x and of the `scales` x was computed from."""
+    if m["n"] <= 0:
+        return 0.0
     mean, square = m[x] / m["n"], m[x + "2"] / m["n"]
     var = square - mean ** 2  # E[x²] − E[x]² of a constant is rounding noise, not variance
-    return var if var > 1e-6 * (square + 1e-12) else 0.0
+    size = square + sum(m[s + "2"] / m["n"] for s in scales)
+    return var if var > 1e-6 * (size + 1e-12) else 0.0
+
+
+def _return_variance(m: dict[str, float]) -> float:
+    """Var(R): R = Â + V carries V's rounding, so a step whose rewards are all equal (every episode
+    failed) has returns that vary by ~1e-7·|V|, which must not count as variance to explain."""
+    return _variance(m, "r", "v")
 
 
 def explained_variance(m: dict[str, float]) -> float:
     """1 − Var(R − V) / Var(R) over action tokens, from `value_moments`; NaN when R does not vary."""
-    var_r = _variance(m, "r") if m["n"] > 0 else 0.0
+    var_r = _return_variance(m)
     return 1.0 - _variance(m, "e") / var_r if var_r else math.nan
 
 
@@ -212,7 +222,7 @@ def value_return_corr(m: dict[str, float]) -> float:
     """Pearson correlation of V and R over action tokens, from `value_moments`: unlike the explained
     variance it ignores V's scale and offset, so it shows whether the critic ranks states right
     before it has their level; NaN when V or R does not vary."""
-    var_r, var_v = (_variance(m, x) if m["n"] > 0 else 0.0 for x in ("r", "v"))
+    var_r, var_v = _return_variance(m), _variance(m, "v")
     if not (var_r and var_v):
         return math.nan
     cov = m["rv"] / m["n"] - m["r"] * m["v"] / m["n"] ** 2

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from learner.gae import skip_observation_gae
 from learner.logprobs import collate
 from learner.models import tiny_llama, tiny_qwen3_moe
 from learner.update import SAOUpdate, UpdateConfig
@@ -161,6 +162,26 @@ def test_explained_variance_on_action_tokens():
     assert ev(returns + 0.5, returns) == pytest.approx(1.0)
     assert math.isnan(ev(returns, torch.ones(1, 4)))
 
+
+
+def test_a_step_where_every_episode_failed_has_no_variance_to_explain():
+    """All rewards 0: the critic's targets R = Â + V from skip-observation GAE are 0 up to V's
+    rounding (~1e-7), and that noise divided into Var(R − V) once logged an explained variance of
+    −1e14 (a run's step 12); it is NaN, as for any constant return, and so is the correlation."""
+    g = torch.Generator().manual_seed(0)
+    values = 0.3 * torch.randn(8, 150, generator=g)
+    mask = torch.rand(8, 150, generator=g) > 0.3
+    _, returns = skip_observation_gae(torch.zeros(8, 150), values, mask, gamma=1.0, lam=1.0)
+    assert 0 < returns[mask].abs().max() < 1e-5  # rounding, not exactly zero
+    d = value_diagnostics({k: v.item() for k, v in value_moments_by_position(values, returns, mask).items()})
+    assert all(math.isnan(d[k]) for k in d), d
+    # one solved episode makes the returns vary again: explained variance is finite and ≤ 1
+    rewards = torch.zeros(8, 150)
+    last = int(mask[0].nonzero().max())
+    rewards[0, last] = 1.0
+    _, returns = skip_observation_gae(rewards, values, mask, gamma=1.0, lam=1.0)
+    ev = explained_variance({k: v.item() for k, v in value_moments(values, returns, mask).items()})
+    assert -10 < ev <= 1
 
 def test_value_moments_of_micro_batches_sum_to_the_steps():
     values, returns = torch.randn(4, 6), torch.randn(4, 6)
