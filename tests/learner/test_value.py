@@ -163,7 +163,6 @@ def test_explained_variance_on_action_tokens():
     assert math.isnan(ev(returns, torch.ones(1, 4)))
 
 
-
 def test_a_step_where_every_episode_failed_has_no_variance_to_explain():
     """All rewards 0: the critic's targets R = Â + V from skip-observation GAE are 0 up to V's
     rounding (~1e-7), and that noise divided into Var(R − V) once logged an explained variance of
@@ -182,6 +181,7 @@ def test_a_step_where_every_episode_failed_has_no_variance_to_explain():
     _, returns = skip_observation_gae(rewards, values, mask, gamma=1.0, lam=1.0)
     ev = explained_variance({k: v.item() for k, v in value_moments(values, returns, mask).items()})
     assert -10 < ev <= 1
+
 
 def test_value_moments_of_micro_batches_sum_to_the_steps():
     values, returns = torch.randn(4, 6), torch.randn(4, 6)
