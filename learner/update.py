@@ -91,6 +91,11 @@ class UpdateConfig:
     """Policy learning rate; sized for tiny models (the paper uses 1e-6 at 30B)."""
     lr_critic: float = 5e-4
     """Critic learning rate; sized for tiny models (the paper uses 5e-6 at 30B)."""
+    lr_ramp: int = 0
+    """Policy updates over which the policy's learning rate rises linearly to `lr_policy` (the
+    n-th update of the policy, counted from the end of the critic warm-up, takes n/lr_ramp of it);
+    0: the full rate from the first. Adam's first updates move every parameter by about the
+    learning rate whatever the gradient's noise, as its second-moment estimate has few samples yet."""
     weight_decay: float = 0.0
     """AdamW weight decay of both optimizers."""
     max_grad_norm: float = 1.0
@@ -139,6 +144,8 @@ class UpdateConfig:
                 raise ConfigError(f"{flag(name)} must be > 0, got {getattr(self, name)}")
         if self.critic_max_grad_norm is not None and not self.critic_max_grad_norm > 0:
             raise ConfigError(f"{flag('critic_max_grad_norm')} must be > 0, got {self.critic_max_grad_norm}")
+        if self.lr_ramp < 0:
+            raise ConfigError(f"{flag('lr_ramp')} must be >= 0, got {self.lr_ramp}")
         if self.policy_epochs < 1:
             raise ConfigError(f"{flag('policy_epochs')} must be >= 1, got {self.policy_epochs}")
         if self.micro_batch_tokens < 0:
@@ -183,6 +190,12 @@ class UpdateConfig:
     def window(self) -> int:
         default = 8 if self.running_mean_scope == "prompt" else 128
         return self.running_mean_window or default
+
+
+def policy_lr(lr: float, ramp: int, update: int) -> float:
+    """The policy's learning rate at its `update`-th update (0-based): `lr`, reached linearly over
+    the first `ramp` updates (none: 0)."""
+    return lr * min(1.0, (update + 1) / ramp) if ramp else lr
 
 
 def all_finite(*xs: Tensor) -> bool:
@@ -303,8 +316,13 @@ class SAOUpdate:
             critic_ok, critic_metrics = self._critic_steps(mbs, plan)
             metrics |= critic_metrics
         # 4. one policy step, after the warm-up
-        policy_ok, policy_metrics = self._policy_step(
-            mbs, plan, update=index >= self.settings.warmup_steps, envs=[t.env for t in trajs])
+        update = index >= self.settings.warmup_steps
+        if update:
+            lr = policy_lr(cfg.lr_policy, cfg.lr_ramp, index - self.settings.warmup_steps)
+            for group in self.policy_opt.param_groups:
+                group["lr"] = lr
+            metrics["policy/lr"] = lr
+        policy_ok, policy_metrics = self._policy_step(mbs, plan, update=update, envs=[t.env for t in trajs])
         acted = Counter()
         for t in trajs:
             acted[t.env] += int(t.action_mask.sum())

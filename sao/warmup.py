@@ -61,8 +61,8 @@ class WarmupConfig:
 
 
 def held_out_score(cfg: WarmupConfig, model, env, tokenizer) -> dict:
-    """Greedy figures of `model` on the env's held-out tasks (producers/evaluate), and under `tasks`
-    each task's reward in task order, as `sao eval --out` writes them."""
+    """Greedy figures of `model` on the env's held-out tasks (producers/evaluate), and each task's
+    (`tasks`: its reward in task order), as `sao eval --out` writes them."""
     from producers.envs.chat import Chat
     from producers.evaluate.service import EvalConfig, suite_tasks
     from producers.evaluate.suite import Suite, figures, per_task
@@ -76,7 +76,7 @@ def held_out_score(cfg: WarmupConfig, model, env, tokenizer) -> dict:
         suite = Suite(cfg=ecfg, env=env, generator=generator, tasks=tasks, split=split,
                       stops=Chat(tokenizer).stop_token_ids())
         played = asyncio.run(suite.play(0))
-        return figures(ecfg, played, 0) | {"tasks": per_task(ecfg, played)}
+        return figures(ecfg, played, 0) | per_task(ecfg, played)
     finally:
         generator.close()
 

@@ -237,8 +237,8 @@ class Evaluator:
             t0 = time.perf_counter()
         return True
 
-    def publish(self, e: Evaluation, tasks: list[float]) -> None:
-        """To the evaluations topic, and with each task's score (`tasks`, task order) to --out."""
+    def publish(self, e: Evaluation, tasks: dict[str, list]) -> None:
+        """To the evaluations topic, and with each task's figures (suite.per_task) to --out."""
         topic = self.cfg.kafka.topic(T.EVALUATIONS)
         while True:  # a broker outage delays the result; a copy sent twice is the same result under one key
             try:
@@ -251,7 +251,7 @@ class Evaluator:
         self.metrics.record(e)
         if self.cfg.out:
             line = {"version": e.version, "step": e.step, "env": e.env, "suite": e.suite, "split": e.split,
-                    "time": e.created_at, "seconds": e.seconds, **e.metrics, "tasks": tasks}
+                    "time": e.created_at, "seconds": e.seconds, **e.metrics, **tasks}
             with open(self.cfg.out, "a") as f:
                 f.write(json.dumps(line) + "\n")
         name, value = headline(e.metrics)

@@ -9,6 +9,8 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from producers.episode import TrajectoryIds, run_episode
 from producers.evaluate.scores import episode_scores, greedy_scores, sampled_scores, task_scores
 from producers.generate.base import MAX_SEED
@@ -71,9 +73,18 @@ def rewards(played: dict[int, list[Trajectory | None]]) -> dict[int, list[float]
     return {t: [0.0 if x is None else x.reward for x in row] for t, row in played.items()}
 
 
-def per_task(cfg: EvalConfig, played: dict[int, list[Trajectory | None]]) -> list[float]:
-    """One score per task in task order (scores.task_scores), to compare versions task by task."""
-    return task_scores(list(rewards(played).values()), cfg.greedy)
+def per_task(cfg: EvalConfig, played: dict[int, list[Trajectory | None]]) -> dict[str, list]:
+    """Each task's figures in task order, to compare versions task by task: `tasks`, its score
+    (scores.task_scores); `task_turns` and `task_tool_calls`, the turns and tool calls of the same
+    episodes (the greedy one, else the samples' mean; None where they all failed), which say how a
+    version's way of solving a task changed, not only whether it did."""
+    def mean_of(row: list[Trajectory | None], field: str) -> float | None:
+        values = [getattr(t, field) for t in (row[:1] if cfg.greedy else row) if t is not None]
+        return float(np.mean(values)) if values else None
+
+    return {"tasks": task_scores(list(rewards(played).values()), cfg.greedy),
+            "task_turns": [mean_of(row, "num_turns") for row in played.values()],
+            "task_tool_calls": [mean_of(row, "tool_calls") for row in played.values()]}
 
 
 def figures(cfg: EvalConfig, played: dict[int, list[Trajectory | None]], version: int) -> dict[str, float]:

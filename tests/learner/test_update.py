@@ -260,6 +260,23 @@ def test_state_dict_round_trip_resumes_bit_identically(algorithm):
     assert c.state_dict()["step"] == 3
 
 
+def test_the_policy_lr_ramps_over_its_first_updates_after_the_critic_warm_up():
+    trajs = rollouts(build("sao"), num_prompts=2)
+    ramped = build("sao", warmup_steps=1, lr_ramp=4)
+    policy = [p.detach().clone() for p in ramped.policy.parameters()]
+    assert "policy/lr" not in ramped.step(trajs)  # the critic warm-up: the policy neither moves nor has a rate
+    assert same(policy, [p.detach() for p in ramped.policy.parameters()])
+    assert [ramped.step(trajs)["policy/lr"] for _ in range(5)] == pytest.approx([0.25e-2, 0.5e-2, 0.75e-2, 1e-2, 1e-2])
+    # Adam's first update moves each parameter by about its rate, whatever the gradient's size
+    moved = []
+    for ramp in (0, 4):
+        update = build("sao", warmup_steps=0, lr_ramp=ramp)
+        start = [p.detach().clone() for p in update.policy.parameters()]
+        update.step(trajs)
+        moved.append(max((p.detach() - q).abs().max().item() for p, q in zip(update.policy.parameters(), start)))
+    assert moved[1] / moved[0] == pytest.approx(0.25, rel=0.02)
+
+
 def test_packed_and_padded_updates_agree():
     trajs = rollouts(build("sao"), num_prompts=4)
     ups = [build("sao", warmup_steps=0, packed=packed) for packed in (False, True)]
@@ -289,6 +306,8 @@ def test_config_presets_overrides_validation_and_environment():
         UpdateConfig(lr_policy=0.0)
     with pytest.raises(ConfigError, match="--update.eps-low"):
         UpdateConfig(eps_low=1.5)
+    with pytest.raises(ConfigError, match="--update.lr-ramp must be >= 0"):
+        UpdateConfig(lr_ramp=-1)
     # a knob the algorithm cannot honour is refused, never silently overridden
     with pytest.raises(ConfigError, match="--update.critic-updates 3: --update.algorithm grpo has no critic"):
         UpdateConfig(algorithm="grpo", critic_updates=3)

@@ -89,6 +89,7 @@ def test_the_first_every_nth_and_at_a_stop_the_newest_version_are_scored_each_of
     assert [x["version"] for x in lines] == [0, 3, 4] and lines[1]["greedy/mean"] == got[1].metrics["greedy/mean"]
     # each task's greedy reward, in task order: what compares two versions task by task
     assert all(len(x["tasks"]) == 4 and sum(x["tasks"]) / 4 == pytest.approx(x["greedy/mean"]) for x in lines)
+    assert all(x["task_turns"] == [1.0] * 4 and x["task_tool_calls"] == [0.0] * 4 for x in lines)  # one turn, no tool
     # v3's greedy figures are those of v3's weights, played here in-process
     model = load_model("tiny-llama", seed=0)
     model.load_state_dict({k: W.to_torch(t) for k, t in line.states[3].items()})

@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 
 from producers.evaluate.scores import (episode_scores, greedy_scores, headline, paired_change, pass_at_k, sampled_scores,
                                       sign_test, task_scores)
+from producers.evaluate.service import EvalConfig
+from producers.evaluate.suite import per_task
 from producers.evaluate.versions import due, final
 from schemas.messages import Trajectory
 
@@ -77,18 +79,29 @@ def test_the_sign_test_is_the_two_sided_binomial_tail(gained, lost):
     assert sign_test(gained, lost) == pytest.approx(extreme)
 
 
-def _episode(n_prompt: int, n_response: int, finish: str, turns: int) -> Trajectory:
+def _episode(n_prompt: int, n_response: int, finish: str, turns: int, reward: float = 1.0,
+             tool_calls: int = 0) -> Trajectory:
     n = n_prompt + n_response
     mask = np.r_[np.zeros(n_prompt), np.ones(n_response)].astype(np.uint8)
     return Trajectory(id="t", prompt_id="p", env="e", producer_id="x", tokens=np.arange(n), action_mask=mask,
                       rollout_logprobs=np.zeros(n), versions=np.where(mask == 1, 3, -1), prompt_len=n_prompt,
-                      reward=1.0, finish_reason=finish, num_turns=turns)
+                      reward=reward, finish_reason=finish, num_turns=turns, tool_calls=tool_calls)
 
 
 def test_episode_figures_by_hand():
     got = episode_scores([_episode(3, 4, "stop", 1), _episode(2, 8, "length", 3)])
     assert got == {"episode/response_tokens": 6.0, "episode/turns": 2.0, "episode/truncated": 0.5}
     assert episode_scores([]) == {}
+
+
+def test_each_task_has_its_score_turns_and_tool_calls_in_task_order_a_failed_episode_none():
+    played = {0: [_episode(2, 4, "stop", 3, 1.0, 2), _episode(2, 3, "stop", 2, 0.0, 1), None],
+              1: [None, _episode(2, 5, "stop", 4, 1.0, 3), _episode(2, 5, "stop", 2, 0.0, 1)],
+              2: [None, None, None]}
+    assert per_task(EvalConfig(samples=2), played) == {
+        "tasks": [1.0, 0.0, 0.0], "task_turns": [3.0, None, None], "task_tool_calls": [2.0, None, None]}
+    assert per_task(EvalConfig(samples=3, greedy=False), played) == {
+        "tasks": [1 / 3, 1 / 3, 0.0], "task_turns": [2.5, 3.0, None], "task_tool_calls": [1.5, 2.0, None]}
 
 
 def test_the_first_version_comes_first_then_the_newest_due_one():
