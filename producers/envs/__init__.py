@@ -29,6 +29,7 @@ ENVS["math"] = MathEnv
 ENVS["python-tool"] = PythonToolEnv
 ENVS["writing"] = WritingEnv  # no built-in reward: trajectories go to sao.trajectories.pending
 ENVS["calc-agent"] = CalcAgentEnv  # tools declared as functions, called in JSON, a stateful python session
+ENVS["calc-agent-steps"] = partial(CalcAgentEnv, step_reward=0.2, name="calc-agent-steps")  # operations done pay too
 GROUP = "sao.envs"
 
 

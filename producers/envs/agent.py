@@ -101,12 +101,15 @@ def python_tools(sandbox: Sandbox) -> ToolSet:
 
 @dataclass(kw_only=True)
 class ToolEpisode:
-    """One agent episode (module docstring); `score(reply_text)` is the reward of the answer."""
+    """One agent episode (module docstring); `score(reply_text)` is the reward of the answer, and
+    `progress(outputs)`, where the task can check intermediate results, the reward of a turn's
+    successful tool outputs (a per-turn reward on that turn's last action token)."""
 
     prompt_ids: list[int]
     chat: Chat
     tools: ToolSet
     score: Callable[[str], float]
+    progress: Callable[[list[str]], float] | None = None
     limits: AgentLimits = field(default_factory=AgentLimits)
     turn: int = 0
     invalid_in_a_row: int = 0
@@ -133,6 +136,7 @@ class ToolEpisode:
         if reason:
             return Step(reward=0.0, done=True, reason=reason, tool_calls=made, tool_errors=failed)
         return Step(observation=self.chat.observation_ids(action_ids, tool_response([r for r, _ in replies])),
+                    reward=self.progress([r for r, ok in replies if ok]) if self.progress else None,
                     tool_calls=made, tool_errors=failed)
 
     def close(self) -> None:

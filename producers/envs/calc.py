@@ -10,7 +10,8 @@ sentence into a line of Python. The number of operations is long-tailed (30 % on
 three, 12 % four, 8 % five), and the demonstrations (`demonstration`: what `sao warmup` trains
 the cold model on) call the tool once per operation, keeping the running value in a variable of
 the session, then answer, so an episode takes two to six turns. The reward is 1.0 when the last
-`Answer: <integer>` of the final reply is the answer, else 0.0.
+`Answer: <integer>` of the final reply is the answer, else 0.0; with `step_reward`, each operation
+a tool output shows done (`Progress`) also pays that much, on its turn.
 
 Tasks are `{"name", "item", "start", "steps": [[op, *numbers], ...], "answer"}`; the question is
 rendered from them, so the held-out split (producers/heldout.py) is by the problem itself.
@@ -85,6 +86,29 @@ def check_task(task: dict) -> dict:
     return task
 
 
+class Progress:
+    """The per-turn reward of a task's tool outputs: `per_step` for each operation newly shown done.
+    An output whose last line is the running value after operation j (and past any shown before)
+    shows operations up to j done, so one call that does two operations counts both, a repeated
+    value counts once, and nothing else pays. Stopping short of the last operation then forfeits
+    what the remaining ones pay, even where the answer would have failed anyway; the outcome alone
+    says only that the episode failed."""
+
+    def __init__(self, task: dict, per_step: float):
+        self.per_step, self.done, self.values, x = per_step, 0, [], task["start"]
+        for op, *args in task["steps"]:
+            x = apply(op, x, args)
+            self.values.append(str(x))
+
+    def __call__(self, outputs: list[str]) -> float:
+        before = self.done
+        for out in outputs:
+            last = (out.strip().splitlines() or [""])[-1].strip()
+            later = [j + 1 for j in range(self.done, len(self.values)) if self.values[j] == last]
+            self.done = max(later, default=self.done)
+        return self.per_step * (self.done - before)
+
+
 def demonstration(task: dict) -> list[tuple[str, str | None]]:
     """A solution as (assistant reply, the env's answer to it) per turn, None after the final one:
     one call per operation, the running value kept in the session's variable."""
@@ -108,6 +132,9 @@ class CalcAgentEnv(ChatEnv):
     """Replies in a row whose every tool call failed before the episode ends."""
     deadline_s: float = 300.0
     """Wall-clock seconds an episode may take."""
+    step_reward: float = 0.0
+    """Reward of each operation a tool output shows done (`Progress`), beside the answer's 1.0;
+    0: the answer alone."""
     name: str = "calc-agent"
     def sample_task(self, rng: random.Random) -> dict:
         name, _ = rng.choice(NAMES)
@@ -130,5 +157,6 @@ class CalcAgentEnv(ChatEnv):
         answer = task["answer"]
         return ToolEpisode(prompt_ids=self.prompt_ids(task), chat=chat, tools=python_tools(self.sandbox),
                            score=lambda text: 1.0 if extract_answer(text) == answer else 0.0,
+                           progress=Progress(task, self.step_reward) if self.step_reward else None,
                            limits=AgentLimits(max_turns=self.max_turns, max_invalid_calls=self.max_invalid_calls,
                                               deadline_s=self.deadline_s))

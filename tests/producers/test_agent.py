@@ -5,6 +5,7 @@ reason; the episode's session is closed however the episode ends."""
 
 from __future__ import annotations
 
+import json
 import random
 import time
 
@@ -13,9 +14,9 @@ import pytest
 
 from producers.envs import make_env
 from producers.envs.agent import AgentLimits, ToolEpisode, ToolError, ToolSet, python, python_tools
-from producers.envs.calc import CalcAgentEnv, check_task, demonstration, question
+from producers.envs.calc import CalcAgentEnv, Progress, apply, check_task, demonstration, question
 from producers.envs.chat import Chat
-from producers.envs.tools import HERMES_SYSTEM, render_chat, tool_calls, tool_response, tool_schema
+from producers.envs.tools import CLOSE, HERMES_SYSTEM, OPEN, render_chat, tool_calls, tool_response, tool_schema
 from producers.sandbox import Sandbox, SandboxConfig
 from schemas.messages import SchemaError
 from schemas.tokenizers import ByteTokenizer, load_tokenizer
@@ -122,6 +123,40 @@ def test_a_demonstration_solves_its_task_through_one_session_whose_variables_per
             assert (step.tool_calls, step.tool_errors) == (1, 0)
     assert steps[-1].reward == 1.0 and steps[-1].reason == ""
     assert str(task["answer"]) in demo[-1][0] and task["item"] in question(task)
+
+
+def python_call(code: str) -> str:
+    return OPEN + json.dumps({"name": "python", "arguments": {"code": code}}) + CLOSE
+
+
+def test_with_a_step_reward_each_operation_a_tool_output_shows_done_pays_once_on_its_turn(sandbox, smollm2):
+    env = CalcAgentEnv(tokenizer=smollm2, sandbox=sandbox, step_reward=0.2)
+    task = next(t for t in (env.sample_task(random.Random(s)) for s in range(50)) if len(t["steps"]) >= 3)
+    running = [task["start"]]
+    for op, *args in task["steps"]:
+        running.append(apply(op, running[-1], args))
+    demo = [reply for reply, _ in demonstration(task)]
+    replies = {  # each one's turn rewards, then its outcome
+        "the demonstration": (demo, [0.2] * len(task["steps"]) + [1.0]),
+        # two operations in one call count both; the same value again, a failed call and the start pay nothing
+        "skipping ahead, repeating, failing": (
+            [python_call(f"print({running[2]})"), python_call(f"print({running[2]})"), python_call("print(1/0)"),
+             python_call(f"print({running[0]})"), "Answer: 0"], [0.4, 0.0, 0.0, 0.0, 0.0]),
+        "stopping short": ([demo[0], f"Answer: {running[1]}"], [0.2, 0.0])}
+    for name, (actions, expected) in replies.items():
+        episode = env.episode(task)
+        try:
+            got = [step.reward for step in play(episode, Chat(smollm2), actions)]
+        finally:
+            episode.close()
+        assert got == pytest.approx(expected), name
+    plain = CalcAgentEnv(tokenizer=smollm2, sandbox=sandbox).episode(task)  # the answer alone: no turn reward
+    try:
+        assert [step.reward for step in play(plain, Chat(smollm2), demo)] == [None] * len(task["steps"]) + [1.0]
+    finally:
+        plain.close()
+    progress = Progress(task, 0.5)  # an output's last line is what counts
+    assert progress([f"working\n{running[1]}\n"]) == 0.5 and progress([f"{running[3]} and more"]) == 0.0
 
 
 def test_replies_whose_calls_all_fail_end_the_episode_after_the_limit(sandbox, smollm2):

@@ -194,7 +194,7 @@ def reward_of_two(task, text):
     (dict(env="no_such_module:Env"), "--env 'no_such_module:Env': cannot import no_such_module: ModuleNotFoundError"),
     (dict(env="examples.custom_env:Nope"), "module examples.custom_env has no attribute 'Nope'"),
     (dict(env="examples.custom_env:re"), "is a module, not a class or factory"),
-    (dict(env="no-such-env"), "unknown env; built in: ['calc-agent', 'math'"),
+    (dict(env="no-such-env"), "unknown env; built in: ['calc-agent', 'calc-agent-steps', 'math'"),
     (dict(env="tests.producers.test_plugins:NonIntTokens"), "prompt_ids must be a non-empty list of int token ids; found [2.5]"),
     (dict(env=GUESS, reward="tests.producers.test_plugins:reward_of_two"),
      "--reward 'tests.producers.test_plugins:reward_of_two': cannot be called as reward_of_two(task, text, trajectory)"),
