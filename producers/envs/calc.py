@@ -11,7 +11,8 @@ three, 12 % four, 8 % five), and the demonstrations (`demonstration`: what `sao 
 the cold model on) call the tool once per operation, keeping the running value in a variable of
 the session, then answer, so an episode takes two to six turns. The reward is 1.0 when the last
 `Answer: <integer>` of the final reply is the answer, else 0.0; with `step_reward`, each operation
-a tool output shows done (`Progress`) also pays that much, on its turn.
+a tool output shows done (`Progress`) also pays that much on its turn, and a turn of calls that
+shows none done costs that much.
 
 Tasks are `{"name", "item", "start", "steps": [[op, *numbers], ...], "answer"}`; the question is
 rendered from them, so the held-out split (producers/heldout.py) is by the problem itself.
@@ -87,12 +88,13 @@ def check_task(task: dict) -> dict:
 
 
 class Progress:
-    """The per-turn reward of a task's tool outputs: `per_step` for each operation newly shown done.
-    An output whose last line is the running value after operation j (and past any shown before)
-    shows operations up to j done, so one call that does two operations counts both, a repeated
-    value counts once, and nothing else pays. Stopping short of the last operation then forfeits
-    what the remaining ones pay, even where the answer would have failed anyway; the outcome alone
-    says only that the episode failed."""
+    """The per-turn reward of a task's tool outputs: `per_step` for each operation a turn's outputs
+    newly show done, or −`per_step` for a turn of calls that shows none done. An output whose last
+    line is the running value after operation j (and past any shown before) shows operations up to j
+    done, so one call that does two operations counts both and a repeated value counts nothing.
+    Answering before the last operation then forfeits what the rest would pay, even where the
+    answer would have failed anyway; and a call that advances nothing costs, or calling until
+    `max_turns` would pay for the operations done without ever answering."""
 
     def __init__(self, task: dict, per_step: float):
         self.per_step, self.done, self.values, x = per_step, 0, [], task["start"]
@@ -106,7 +108,7 @@ class Progress:
             last = (out.strip().splitlines() or [""])[-1].strip()
             later = [j + 1 for j in range(self.done, len(self.values)) if self.values[j] == last]
             self.done = max(later, default=self.done)
-        return self.per_step * (self.done - before)
+        return self.per_step * (self.done - before) if self.done > before else -self.per_step
 
 
 def demonstration(task: dict) -> list[tuple[str, str | None]]:
@@ -133,8 +135,8 @@ class CalcAgentEnv(ChatEnv):
     deadline_s: float = 300.0
     """Wall-clock seconds an episode may take."""
     step_reward: float = 0.0
-    """Reward of each operation a tool output shows done (`Progress`), beside the answer's 1.0;
-    0: the answer alone."""
+    """Reward of each operation a tool output shows done, and cost of a turn of calls that shows
+    none (`Progress`), beside the answer's 1.0; 0: the answer alone."""
     name: str = "calc-agent"
     def sample_task(self, rng: random.Random) -> dict:
         name, _ = rng.choice(NAMES)

@@ -129,7 +129,7 @@ def python_call(code: str) -> str:
     return OPEN + json.dumps({"name": "python", "arguments": {"code": code}}) + CLOSE
 
 
-def test_with_a_step_reward_each_operation_a_tool_output_shows_done_pays_once_on_its_turn(sandbox, smollm2):
+def test_with_a_step_reward_each_operation_a_tool_output_shows_done_pays_once_and_a_turn_showing_none_costs(sandbox, smollm2):
     env = CalcAgentEnv(tokenizer=smollm2, sandbox=sandbox, step_reward=0.2)
     task = next(t for t in (env.sample_task(random.Random(s)) for s in range(50)) if len(t["steps"]) >= 3)
     running = [task["start"]]
@@ -138,10 +138,10 @@ def test_with_a_step_reward_each_operation_a_tool_output_shows_done_pays_once_on
     demo = [reply for reply, _ in demonstration(task)]
     replies = {  # each one's turn rewards, then its outcome
         "the demonstration": (demo, [0.2] * len(task["steps"]) + [1.0]),
-        # two operations in one call count both; the same value again, a failed call and the start pay nothing
+        # two operations in one call count both; the same value again, a failed call and the start cost
         "skipping ahead, repeating, failing": (
             [python_call(f"print({running[2]})"), python_call(f"print({running[2]})"), python_call("print(1/0)"),
-             python_call(f"print({running[0]})"), "Answer: 0"], [0.4, 0.0, 0.0, 0.0, 0.0]),
+             python_call(f"print({running[0]})"), "Answer: 0"], [0.4, -0.2, -0.2, -0.2, 0.0]),
         "stopping short": ([demo[0], f"Answer: {running[1]}"], [0.2, 0.0])}
     for name, (actions, expected) in replies.items():
         episode = env.episode(task)
@@ -156,7 +156,7 @@ def test_with_a_step_reward_each_operation_a_tool_output_shows_done_pays_once_on
     finally:
         plain.close()
     progress = Progress(task, 0.5)  # an output's last line is what counts
-    assert progress([f"working\n{running[1]}\n"]) == 0.5 and progress([f"{running[3]} and more"]) == 0.0
+    assert progress([f"working\n{running[1]}\n"]) == 0.5 and progress([f"{running[3]} and more"]) == -0.5
 
 
 def test_replies_whose_calls_all_fail_end_the_episode_after_the_limit(sandbox, smollm2):
