@@ -74,6 +74,8 @@ def table(episodes: list[Trajectory], tasks: dict[str, dict], window: int) -> li
 
 
 def main(args: Args) -> None:
+    if not args.runs:
+        raise SystemExit("give one or more `sao up` run folders")
     for run in args.runs:
         episodes, tasks = read_run(run)
         print(f"\n{run}: {len(episodes)} trajectories\n", flush=True)
