@@ -49,7 +49,7 @@ def sized(run: Path) -> tuple[list, dict[str, int]]:
     prompt's number of operations."""
     episodes, tasks = read_run(run)
     kept = sorted((t for t in episodes if "steps" in tasks.get(t.prompt_id, {})),
-                  key=lambda t: (int(t.versions[t.action_mask == 1].min()), t.id))
+                  key=lambda t: (t.min_version, t.id))
     return kept, {t.prompt_id: len(tasks[t.prompt_id]["steps"]) for t in kept}
 
 

@@ -59,10 +59,9 @@ def table(episodes: list[Trajectory], tasks: dict[str, dict], window: int) -> li
     rows: dict[tuple[int, int], list[Trajectory]] = defaultdict(list)
     for t in episodes:
         task = tasks.get(t.prompt_id)
-        acted = t.versions[t.action_mask == 1]
-        if task is None or "steps" not in task or not acted.size:
-            continue  # not a calc-agent episode, or its prompt is gone
-        rows[int(acted.min()) // window, len(task["steps"])].append(t)
+        if task is None or "steps" not in task or t.min_version < 0:
+            continue  # not a calc-agent episode, its prompt is gone, or it has no action token
+        rows[t.min_version // window, len(task["steps"])].append(t)
     lines = ["| versions | operations | episodes | solved | tool calls | answered early | called more |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for (w, ops), ts in sorted(rows.items()):
