@@ -7,8 +7,8 @@ and after, so the warm-up is reported as its own figure and RL's gain is measure
 warm-started model, not the base. The demonstrations come from the training split only
 (`--heldout-frac`, the feeder's and the evaluator's). The folder (config.json, model.safetensors,
 the tokenizer with its chat template, warmup.json with the figures) is written whole or not at
-all; a folder that already holds a finished warm-up of the same settings is reused (`--force`:
-train again). Standard output is that folder's path alone; progress and figures go to stderr.
+all; a folder that already holds a finished warm-up of the same settings and the same
+demonstrations (their tokens, hashed into its name) is reused (`--force`: train again). Standard output is that folder's path alone; progress and figures go to stderr.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ class WarmupConfig:
     model: str = "smollm2"
     """Base model: smollm2 | a transformers folder | ... (a model with a tokenizer)."""
     out: Path = Path("runs/warmup")
-    """Parent folder of the warm-started model; the model goes in <out>/<env>-<model>-<settings hash>,
-    whose path the last output line prints."""
+    """Parent folder of the warm-started model; the model goes in <out>/<env>-<model>-<hash of the
+    settings and the demonstrations>, whose path the last output line prints."""
     demos: int = 400
     """Demonstrations trained on, from the env's training split."""
     heldout_frac: float = 0.1
@@ -52,12 +52,16 @@ class WarmupConfig:
     sft: SFTConfig = field(default_factory=SFTConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
-    @property
-    def folder(self) -> Path:
+    def folder(self, demos: list) -> Path:
+        """Where the warm-up of these settings on these demonstrations goes: the key hashes the
+        demonstrations' tokens too, so an env whose demonstrations changed (its code, its chat
+        template) is never served a warm start taught the old ones."""
         settings = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("out", "threads", "force",
                                                                                      "sandbox")}
-        key = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:10]
-        return self.out / f"{self.env}-{Path(self.model).name}-{key}"
+        key = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
+        for d in demos:
+            key.update(d.tokens.tobytes() + d.action_mask.tobytes())
+        return self.out / f"{self.env}-{Path(self.model).name}-{key.hexdigest()[:10]}"
 
 
 def held_out_score(cfg: WarmupConfig, model, env, tokenizer) -> dict:
@@ -91,15 +95,15 @@ def run(cfg: WarmupConfig) -> Path:
     from producers.sandbox import Sandbox
     from schemas.tokenizers import load_tokenizer
 
-    folder = cfg.folder
+    tokenizer = load_tokenizer(cfg.model)
+    env = make_env(cfg.env, tokenizer=tokenizer, sandbox=Sandbox(cfg.sandbox))
+    demos = demonstrations(env, Chat(tokenizer), cfg.demos, cfg.heldout_frac, cfg.seed)
+    folder = cfg.folder(demos)
     if (folder / "warmup.json").is_file() and not cfg.force:
         say(f"warm-up cached: {json.loads((folder / 'warmup.json').read_text())['summary']}")
         print(folder)
         return folder
     torch.set_num_threads(cfg.threads)
-    tokenizer = load_tokenizer(cfg.model)
-    env = make_env(cfg.env, tokenizer=tokenizer, sandbox=Sandbox(cfg.sandbox))
-    demos = demonstrations(env, Chat(tokenizer), cfg.demos, cfg.heldout_frac, cfg.seed)
     tokens = sum(d.num_tokens for d in demos)
     say(f"{len(demos)} demonstrations of {cfg.env}, {tokens} tokens ({sum(int(d.action_mask.sum()) for d in demos)} "
           f"action tokens), turns {min(d.num_turns for d in demos)}-{max(d.num_turns for d in demos)}")

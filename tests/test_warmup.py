@@ -4,6 +4,7 @@ its chat template), and reused when asked again."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -17,6 +18,7 @@ from producers.envs import make_env
 from producers.envs.chat import Chat
 from producers.heldout import held_out
 from producers.sandbox import Sandbox
+from sao.warmup import WarmupConfig
 from schemas.tokenizers import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,6 +35,20 @@ def test_a_demonstration_is_laid_out_as_an_episode_of_its_task():
     assert "<tool_call>" in actions and "Answer:" in actions and "<tool_response>" not in actions
     assert "<tool_response>" in text and demo.num_turns >= 2
     assert np.all(demo.action_mask[:demo.prompt_len] == 0)
+
+
+def test_the_warm_start_folder_is_named_by_the_demonstrations_too():
+    """Demonstrations that changed (the env's code, its chat template) under the same settings get
+    another folder, so a cached warm start taught the old ones is never reused."""
+    tok = load_tokenizer("smollm2")
+    env = make_env("calc-agent", tokenizer=tok, sandbox=Sandbox())
+    demos = demonstrations(env, Chat(tok), 2, heldout_frac=0.5, seed=3)
+    cfg = WarmupConfig(demos=2, heldout_frac=0.5, seed=3)
+    assert cfg.folder(demos) == cfg.folder(demonstrations(env, Chat(tok), 2, heldout_frac=0.5, seed=3))
+    edited = dataclasses.replace(demos[1], tokens=demos[1].tokens.copy())
+    edited.tokens[-2] += 1
+    assert cfg.folder([demos[0], edited]) != cfg.folder(demos)
+    assert cfg.folder(demos) != dataclasses.replace(cfg, seed=4).folder(demos)
 
 
 def test_warmup_writes_a_folder_the_learner_loads_and_reuses_it(tmp_path):
