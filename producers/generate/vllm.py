@@ -488,5 +488,10 @@ class VLLMGenerator:
             gc.collect()
         self._call(shutdown())
         self._loop.call_soon_threadsafe(self._loop.stop)
+        # vLLM's shutdown can return with its EngineCore and Worker still alive (seen on the CPU
+        # build: both up a minute after the core logged "all workers exited gracefully", the
+        # evaluator gone and its watchdog with it): what is left after its ~5 s of teardown is killed
+        if left := watchdog.reap(os.getpid(), grace_s=10.0):
+            log.warning("vLLM engine processes %s outlived its shutdown; killed", left)
         self._watchdog.kill()
 

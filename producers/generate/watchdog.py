@@ -45,6 +45,20 @@ def is_engine(pid: int) -> bool:
         return False
 
 
+def reap(root: int, grace_s: float) -> list[int]:
+    """Give `root`'s engine processes `grace_s` to exit, then SIGKILL those left; returns them."""
+    deadline = time.monotonic() + grace_s
+    while engine_processes(root) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = engine_processes(root)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return left
+
+
 def guard(parent: int, poll_s: float = POLL_S) -> None:
     """Note `parent`'s engine processes while it lives; once it is gone, kill them."""
     noted: set[int] = set()

@@ -68,6 +68,7 @@ def engine(tmp_path_factory):
     gen = VLLMGenerator(root / "model", seed=0)
     yield NS(gen=gen, states=states, files=files, root=root)
     gen.close()
+    assert not engine_processes(os.getpid()), "an engine process outlived close()"
 
 
 def generate(gen, prompt, **params):

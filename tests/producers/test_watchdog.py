@@ -48,3 +48,21 @@ def test_an_engine_still_starting_is_killed_with_the_process_that_started_it():
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_engine_processes_that_outlive_a_shutdown_are_reaped_after_their_grace():
+    """`reap` (VLLMGenerator.close, after vLLM's own shutdown): an engine that exits within the grace
+    is waited for, one that does not is killed, and nothing else is touched."""
+    quits = subprocess.Popen(["bash", "-c", "exec -a VLLM::Worker sleep 1"])
+    stuck = subprocess.Popen(["bash", "-c", "exec -a VLLM::EngineCore sleep 600"])
+    other = subprocess.Popen(["sleep", "600"])
+    try:
+        wait_until(lambda: sorted(watchdog.engine_processes(os.getpid())) == sorted([quits.pid, stuck.pid]))
+        start = time.monotonic()
+        assert watchdog.reap(os.getpid(), grace_s=4.0) == [stuck.pid]
+        assert time.monotonic() - start >= 4.0
+        assert stuck.wait(10) == -signal.SIGKILL and quits.wait(10) == 0 and other.poll() is None
+        assert watchdog.reap(os.getpid(), grace_s=4.0) == []  # none left: no wait
+    finally:
+        for p in (quits, stuck, other):
+            p.kill()
