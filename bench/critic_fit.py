@@ -6,6 +6,10 @@ through the learner's own step with the policy held still (the critic warm-up); 
 values 64 episodes from run B of tasks it never trained on, at their first action token: explained variance and
 correlation with the reward, and the mean value by the problem's number of operations, beside the
 explained variance of each size's mean reward (what a baseline that knows only the size explains).
+Before training, a linear probe asks whether the information is there at all: ridge regression
+from the warm start's last hidden state at the first action token (what the value head reads) to
+the reward and to the size, fitted on the training episodes (its penalty chosen by 4-fold cross
+validation on them) and scored on the test run's.
 
     python bench/critic_fit.py --model runs/warmup/FOLDER --train-run runs/agent-18 --test-run runs/agent-17
 """
@@ -24,7 +28,7 @@ import torch  # noqa: E402
 import tyro  # noqa: E402
 
 from bench.run_episodes import read_run  # noqa: E402
-from learner.logprobs import collate  # noqa: E402
+from learner.logprobs import collate, model_inputs  # noqa: E402
 from learner.models import ModelConfig, build_policy  # noqa: E402
 from learner.update import SAOUpdate, UpdateConfig  # noqa: E402
 from learner.value import ValueModel, critic_values  # noqa: E402
@@ -40,7 +44,10 @@ class Args:
     """Episodes the critic trains on: the train run's first, in the order trained; then 64 of the
     test run's episodes whose tasks are not among them are scored."""
     passes: int = 2
+    """Passes over the training episodes (0: the probe and the untrained critic's score only)."""
     lr_critic: float = 5e-4
+    lr_value_head: float | None = None
+    """The value head's own rate (`--update.lr-value-head`); None: `--lr-critic`."""
     threads: int = 2
 
 
@@ -51,6 +58,40 @@ def sized(run: Path) -> tuple[list, dict[str, int]]:
     kept = sorted((t for t in episodes if "steps" in tasks.get(t.prompt_id, {})),
                   key=lambda t: (t.min_version, t.id))
     return kept, {t.prompt_id: len(tasks[t.prompt_id]["steps"]) for t in kept}
+
+
+@torch.no_grad()
+def first_states(critic: ValueModel, episodes: list) -> np.ndarray:
+    """The backbone's last hidden state at the state each episode's first action token was sampled in."""
+    out = []
+    for i in range(0, len(episodes), 8):
+        batch = collate(episodes[i:i + 8])
+        hidden = critic.backbone(**model_inputs(batch, False), use_cache=False).last_hidden_state
+        out += [h[int(m.nonzero()[0]) - 1].float().numpy() for h, m in zip(hidden, batch.action_mask)]
+    return np.stack(out)
+
+
+def ridge(x: np.ndarray, y: np.ndarray, alpha: float):
+    mu, sd = x.mean(0), x.std(0) + 1e-6
+    z = (x - mu) / sd
+    w = np.linalg.solve(z.T @ z + alpha * np.eye(z.shape[1]), z.T @ (y - y.mean()))
+    return lambda x2: ((x2 - mu) / sd) @ w + y.mean()
+
+
+def explained(y: np.ndarray, predicted: np.ndarray) -> float:
+    return 1 - np.var(y - predicted) / np.var(y)
+
+
+def probe(x: np.ndarray, y: np.ndarray, x_test: np.ndarray, y_test: np.ndarray) -> str:
+    """Explained variance on the test episodes of a ridge fit on the training ones, its penalty the
+    best of 4-fold cross validation on them."""
+    folds = np.arange(len(y)) % 4
+
+    def cv(alpha: float) -> float:
+        return np.mean([explained(y[folds == k], ridge(x[folds != k], y[folds != k], alpha)(x[folds == k]))
+                        for k in range(4)])
+    alpha = max((10.0 ** k for k in range(5)), key=cv)
+    return f"{explained(y_test, ridge(x, y, alpha)(x_test)):.3f} (penalty {alpha:g})"
 
 
 @torch.no_grad()
@@ -66,16 +107,16 @@ def first_values(critic: ValueModel, episodes: list) -> np.ndarray:
 def score(critic: ValueModel, episodes: list, sizes: list[int]) -> str:
     r, v, s = np.array([t.reward for t in episodes]), first_values(critic, episodes), np.array(sizes)
     by_size = np.array([r[s == k].mean() for k in s])
-    ev = 1 - np.var(r - v) / np.var(r)
+    ev = explained(r, v)
     corr = np.corrcoef(v, r)[0, 1] if v.std() > 0 else float("nan")
     means = ", ".join(f"{k}: {v[s == k].mean():.2f}" for k in sorted(set(sizes)))
     return (f"explained variance {ev:.3f}, corr {corr:.3f} (each size's mean reward explains "
-            f"{1 - np.var(r - by_size) / np.var(r):.3f}); mean value by operations {means}")
+            f"{explained(r, by_size):.3f}); mean value by operations {means}")
 
 
 def main(args: Args) -> None:
     torch.set_num_threads(args.threads)
-    train, _ = sized(args.train_run)
+    train, train_sizes = sized(args.train_run)
     train = train[:args.train]
     seen = {t.prompt_id for t in train}
     test, sizes = sized(args.test_run)
@@ -86,7 +127,13 @@ def main(args: Args) -> None:
     policy = build_policy(ModelConfig(name=args.model))
     critic = ValueModel.from_policy(policy)
     update = SAOUpdate(policy, critic, UpdateConfig(warmup_steps=10**9, lr_critic=args.lr_critic,
-                                                    micro_batch_tokens=1024))
+                                                    lr_value_head=args.lr_value_head, micro_batch_tokens=1024))
+    x, x_test = first_states(critic, train), first_states(critic, test)
+    rewards, test_rewards = np.array([t.reward for t in train]), np.array([t.reward for t in test])
+    ops = np.array([train_sizes[t.prompt_id] for t in train], float)
+    print(f"linear probe of the warm start's state at the first action token, explained variance on the test "
+          f"episodes: reward {probe(x, rewards, x_test, test_rewards)}, number of operations "
+          f"{probe(x, ops, x_test, np.array(test_sizes, float))}", flush=True)
     print(f"before: {score(critic, test, test_sizes)}", flush=True)
     for p in range(args.passes):
         for i in range(0, len(train) - 7, 8):

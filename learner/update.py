@@ -91,6 +91,10 @@ class UpdateConfig:
     """Policy learning rate; sized for tiny models (the paper uses 1e-6 at 30B)."""
     lr_critic: float = 5e-4
     """Critic learning rate; sized for tiny models (the paper uses 5e-6 at 30B)."""
+    lr_value_head: float | None = None
+    """Learning rate of the critic's value head alone; None: `lr_critic`. The head starts at zero
+    and reads features the policy's checkpoint already has, so it may take a larger rate than the
+    backbone's MLPs (bench/critic_fit.py measures the critic's fit under either)."""
     lr_ramp: int = 0
     """Policy updates over which the policy's learning rate rises linearly to `lr_policy` (the
     n-th update of the policy, counted from the end of the critic warm-up, takes n/lr_ramp of it);
@@ -142,8 +146,9 @@ class UpdateConfig:
                      "logprob_chunk_tokens"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{flag(name)} must be > 0, got {getattr(self, name)}")
-        if self.critic_max_grad_norm is not None and not self.critic_max_grad_norm > 0:
-            raise ConfigError(f"{flag('critic_max_grad_norm')} must be > 0, got {self.critic_max_grad_norm}")
+        for name in ("critic_max_grad_norm", "lr_value_head"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ConfigError(f"{flag(name)} must be > 0, got {getattr(self, name)}")
         if self.lr_ramp < 0:
             raise ConfigError(f"{flag('lr_ramp')} must be >= 0, got {self.lr_ramp}")
         if self.policy_epochs < 1:
@@ -172,7 +177,7 @@ class UpdateConfig:
         """What `algorithm` means for a step with these knobs; ConfigError naming a knob the
         algorithm cannot honour (a critic setting of an algorithm without a critic, K of sao_k1)."""
         critic = algorithm_settings(self.algorithm).uses_critic
-        for name in ("critic_updates", "warmup_steps"):
+        for name in ("critic_updates", "warmup_steps", "lr_value_head"):
             if not critic and getattr(self, name) not in (None, 0):
                 raise ConfigError(f"{flag(name)} {getattr(self, name)}: --update.algorithm {self.algorithm} has no "
                                   "critic")
@@ -284,7 +289,7 @@ class SAOUpdate:
         self.kinds = {name: {k: ps for k, ps in param_kinds(m).items() if any(p.requires_grad for p in ps)}
                       for name, m in (("policy", policy), ("critic", critic)) if m is not None}
         self.policy_opt = _adamw(policy, cfg.lr_policy, cfg.weight_decay)
-        self.critic_opt = _adamw(critic, cfg.lr_critic, cfg.weight_decay) if critic else None
+        self.critic_opt = _adamw(critic, cfg.lr_critic, cfg.weight_decay, head_lr=cfg.lr_value_head) if critic else None
         self.running_mean = (RunningMean(cfg.window, cfg.running_mean_scope == "prompt")
                              if s.advantage == "running_mean" else None)
         distributed = dist.is_available() and dist.is_initialized()
@@ -496,7 +501,12 @@ def _mean(x: Tensor, mask: Tensor, plan: StepPlan) -> Tensor:
     return aggregate(x, mask, "token_mean", num_tokens=plan.num_tokens)
 
 
-def _adamw(model: nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
+def _adamw(model: nn.Module, lr: float, weight_decay: float, head_lr: float | None = None) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters; with `head_lr`, the value head's at that rate."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if head_lr is not None:
+        head = {id(p) for p in model.head.parameters()}
+        params = [{"params": [p for p in params if id(p) not in head]},
+                  {"params": [p for p in params if id(p) in head], "lr": head_lr}]
     # fused: one kernel per parameter group, without the foreach path's parameter-sized temporaries
-    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
-                             weight_decay=weight_decay, fused=True)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)

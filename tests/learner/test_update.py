@@ -277,6 +277,26 @@ def test_the_policy_lr_ramps_over_its_first_updates_after_the_critic_warm_up():
     assert moved[1] / moved[0] == pytest.approx(0.25, rel=0.02)
 
 
+def test_the_value_head_takes_its_own_learning_rate():
+    """Adam's first steps move a parameter by about its rate: the head by `lr_value_head` (or the
+    critic's rate when unset), the rest of the critic by `lr_critic` either way."""
+    trajs = rollouts(build("sao"), num_prompts=2)
+    moved = {}
+    for head_lr in (None, 1e-2):
+        update = build("sao", warmup_steps=1, lr_critic=1e-4, lr_value_head=head_lr)
+        start = {n: p.detach().clone() for n, p in update.critic.named_parameters()}
+        update.step(trajs)
+        shift = {n: (p.detach() - start[n]).abs().max().item() for n, p in update.critic.named_parameters()}
+        moved[head_lr] = (max(v for n, v in shift.items() if n.startswith("head.")),
+                          max(v for n, v in shift.items() if not n.startswith("head.")))
+    assert 0.5e-4 < moved[None][0] < 3e-4 and 0.5e-2 < moved[1e-2][0] < 3e-2, moved
+    assert moved[1e-2][1] == pytest.approx(moved[None][1], rel=1e-3) and moved[None][1] < 3e-4, moved
+    with pytest.raises(ConfigError, match="lr-value-head"):
+        UpdateConfig(algorithm="grpo_dis", lr_value_head=1e-2)
+    with pytest.raises(ConfigError, match="lr-value-head"):
+        UpdateConfig(lr_value_head=0.0)
+
+
 def test_packed_and_padded_updates_agree():
     trajs = rollouts(build("sao"), num_prompts=4)
     ups = [build("sao", warmup_steps=0, packed=packed) for packed in (False, True)]
