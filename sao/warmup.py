@@ -8,7 +8,8 @@ warm-started model, not the base. The demonstrations come from the training spli
 (`--heldout-frac`, the feeder's and the evaluator's). The folder (config.json, model.safetensors,
 the tokenizer with its chat template, warmup.json with the figures) is written whole or not at
 all; a folder that already holds a finished warm-up of the same settings and the same
-demonstrations (their tokens, hashed into its name) is reused (`--force`: train again). Standard output is that folder's path alone; progress and figures go to stderr.
+demonstrations (their tokens, hashed into its name) is reused (`--force`: train again). Standard
+output is that folder's path alone; progress and figures go to stderr.
 """
 
 from __future__ import annotations
