@@ -31,7 +31,7 @@ from bench.run_episodes import read_run  # noqa: E402
 from learner.logprobs import collate, model_inputs  # noqa: E402
 from learner.models import ModelConfig, build_policy  # noqa: E402
 from learner.update import SAOUpdate, UpdateConfig  # noqa: E402
-from learner.value import ValueModel, critic_values  # noqa: E402
+from learner.value import ValueModel  # noqa: E402
 
 
 @dataclass
@@ -94,18 +94,13 @@ def probe(x: np.ndarray, y: np.ndarray, x_test: np.ndarray, y_test: np.ndarray) 
     return f"{explained(y_test, ridge(x, y, alpha)(x_test)):.3f} (penalty {alpha:g})"
 
 
-@torch.no_grad()
-def first_values(critic: ValueModel, episodes: list) -> np.ndarray:
-    out = []
-    for i in range(0, len(episodes), 8):
-        batch = collate(episodes[i:i + 8])
-        values = critic_values(critic, batch)
-        out += [float(v[m.bool()][0]) for v, m in zip(values, batch.action_mask)]
-    return np.array(out)
+def head_values(critic: ValueModel, states: np.ndarray) -> np.ndarray:
+    """V at the first action token: the value head over `first_states` (as `critic_values` computes it)."""
+    return states @ critic.head.weight.detach().float().numpy()[0] + critic.head.bias.item()
 
 
-def score(critic: ValueModel, episodes: list, sizes: list[int]) -> str:
-    r, v, s = np.array([t.reward for t in episodes]), first_values(critic, episodes), np.array(sizes)
+def score(critic: ValueModel, states: np.ndarray, episodes: list, sizes: list[int]) -> str:
+    r, v, s = np.array([t.reward for t in episodes]), head_values(critic, states), np.array(sizes)
     by_size = np.array([r[s == k].mean() for k in s])
     ev = explained(r, v)
     corr = np.corrcoef(v, r)[0, 1] if v.std() > 0 else float("nan")
@@ -134,14 +129,14 @@ def main(args: Args) -> None:
     print(f"linear probe of the warm start's state at the first action token, explained variance on the test "
           f"episodes: reward {probe(x, rewards, x_test, test_rewards)}, number of operations "
           f"{probe(x, ops, x_test, np.array(test_sizes, float))}", flush=True)
-    print(f"before: {score(critic, test, test_sizes)}", flush=True)
+    print(f"before: {score(critic, x_test, test, test_sizes)}", flush=True)
     for p in range(args.passes):
         for i in range(0, len(train) - 7, 8):
             t0 = time.time()
             m = update.step(train[i:i + 8])
             print(f"pass {p} batch {i // 8}: out-of-sample explained variance {m['value/explained_var']:.3f} "
                   f"corr {m['value/return_corr']:.3f} ({time.time() - t0:.0f} s)", flush=True)
-        print(f"after pass {p}: {score(critic, test, test_sizes)}", flush=True)
+        print(f"after pass {p}: {score(critic, first_states(critic, test), test, test_sizes)}", flush=True)
 
 
 if __name__ == "__main__":
