@@ -4,7 +4,8 @@ Follows `sao.weights` as a producer does, with its own engine of the learner's a
 where this machine and the model allow it, else transformers), so evaluating never takes a
 producer's slots. Which versions: the run's first (the policy before training), every multiple of
 `--every`, and on a clean stop (SIGTERM, SIGINT) the newest version announced, so the run's last
-policy has a score (producers/evaluate/versions.py). Each is loaded exactly and held while its
+policy has a score (producers/evaluate/versions.py); or exactly `--versions`, then it stops (a
+finished run scored again: `sao broker --data-dir RUN_DIR/kafka` serves its log). Each is loaded exactly and held while its
 episodes play: one greedy episode and `--samples` sampled ones per task, all in flight together,
 and every action token is checked to carry that version.
 
@@ -69,6 +70,11 @@ class EvalConfig(EpisodeLimits):
     """Name of this evaluation (its tasks and settings); a restart skips the versions scored under it."""
     every: int = 5
     """Score every version that is a multiple of this (besides the run's first, and the newest at a clean stop)."""
+    versions: str = ""
+    """Score exactly these versions instead, comma-separated (e.g. `0,12,24` of a finished run, under
+    another --name), oldest first, waiting for any not yet announced, then stop; --every and
+    --final-on-stop do not apply. Reachable: from the second-newest anchor on sao.weights whose file
+    the learner's weight store still keeps. Empty: the run's first, every --every-th, the newest at a stop."""
     tasks: int = 16
     """Tasks evaluated: the first this many distinct held-out tasks of the env's generator (seeded
     by --seed), or of --dataset's held-out rows."""
@@ -122,6 +128,12 @@ class EvalConfig(EpisodeLimits):
         for name, low in (("every", 1), ("tasks", 1), ("samples", 0), ("max_evaluations", 0), ("max_turns", 1)):
             if getattr(self, name) < low:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(self, name)}")
+        try:
+            self.wanted = tuple(sorted({int(v) for v in self.versions.split(",") if v.strip()}))
+        except ValueError:
+            raise ConfigError(f"--versions must be comma-separated version numbers, got {self.versions!r}") from None
+        if any(v < 0 for v in self.wanted):
+            raise ConfigError(f"--versions must be >= 0, got {self.versions!r}")
         if not self.greedy and not self.samples:
             raise ConfigError("--no-greedy with --samples 0 evaluates nothing: give --samples k")
         if not 0 <= self.heldout_frac <= 1:
@@ -293,14 +305,17 @@ def run(cfg: EvalConfig, stop: threading.Event | None = None) -> int:
             for versions_scored in scored.values():
                 versions_scored.add(v)
             return done
-        log.info("eval %s: %s backend, %s%d samples each, every %d versions; %d scored before", cfg.name, backend,
-                 "greedy + " if cfg.greedy else "", cfg.samples, cfg.every, len(settled()))
+        which = f"versions {','.join(map(str, cfg.wanted))}" if cfg.wanted else f"every {cfg.every} versions"
+        log.info("eval %s: %s backend, %s%d samples each, %s; %d scored before", cfg.name, backend,
+                 "greedy + " if cfg.greedy else "", cfg.samples, which, len(settled()))
         n = 0
         while not stop.is_set() and not (cfg.max_evaluations and n >= cfg.max_evaluations):
+            if cfg.wanted and set(cfg.wanted) <= settled():
+                break
             versions.poll(0.5)
-            if (v := due(versions.announced, settled(), cfg.every, versions.first)) is not None:
+            if (v := due(versions.announced, settled(), cfg.every, versions.first, cfg.wanted)) is not None:
                 n += evaluate(v)
-        if stop.is_set() and cfg.final_on_stop:
+        if stop.is_set() and cfg.final_on_stop and not cfg.wanted:
             versions.poll(1.0)
             if (v := final(versions.announced, settled())) is not None:
                 log.info("stopping: scoring the newest version, v%d, first", v)

@@ -8,6 +8,10 @@ queueing the older ones: their anchors may be pruned from the weight store by th
 of the newest is what the run needs. Unlike a producer, which always runs the newest version it
 can verify, the evaluator loads exactly the version it scores and holds it until the scoring is
 done; the engine labels every token with that version, which the service checks.
+
+Asked for named versions instead (`sao eval --versions`), it scores exactly those, oldest first,
+and stops once each is scored: how a finished run is scored again with other settings (more
+samples, another suite) against its broker's log and weight store.
 """
 
 from __future__ import annotations
@@ -25,9 +29,14 @@ from schemas.weights.engine import Engine
 log = logging.getLogger(__name__)
 
 
-def due(announced: Collection[int], settled: Collection[int], every: int, first: int | None) -> int | None:
+def due(announced: Collection[int], settled: Collection[int], every: int, first: int | None,
+        wanted: Collection[int] = ()) -> int | None:
     """The version to evaluate next: `first` (the run's first version) until it is settled (scored,
-    or given up), then the newest multiple of `every` past every settled version; None if none."""
+    or given up), then the newest multiple of `every` past every settled version; None if none.
+    Given `wanted` versions instead (a finished run re-scored), the oldest of them announced and
+    unsettled: each is asked for by name, so none is skipped for being behind."""
+    if wanted:
+        return min((v for v in wanted if v in announced and v not in settled), default=None)
     if first is not None and first in announced and first not in settled:
         return first
     last = max(settled, default=-1)

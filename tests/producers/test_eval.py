@@ -102,6 +102,41 @@ def test_the_first_every_nth_and_at_a_stop_the_newest_version_are_scored_each_of
         got[1].metrics["greedy/mean"] != got[2].metrics["greedy/mean"]  # different weights, different scores
 
 
+def test_versions_named_are_scored_exactly_oldest_first_then_it_stops_unasked(kafka_cfg, tmp_path):
+    line = Run(kafka_cfg, tmp_path)
+    for v, seed in enumerate((0, 1, 2, 3)):
+        line.publish(v, 2 * v, seed, base=v - 1)
+    stop, thread, count = evaluator(config(kafka_cfg, tmp_path, every=1, samples=0))  # the run's own
+    assert [e.version for e in results(kafka_cfg, 2)] == [0, 3]  # behind: 1 and 2 skipped
+    stop.set()
+    thread.join(180)
+    # the finished run scored again under another name, with samples: 4 is not announced yet
+    again = config(kafka_cfg, tmp_path, name="rescored", versions="4,1,3", samples=3, out=str(tmp_path / "again.jsonl"))
+    stop, thread, count = evaluator(again)
+    try:
+        wait_until(lambda: len(results(kafka_cfg, 4, timeout=2)) >= 4, timeout=120, every=0.5)
+        assert thread.is_alive()  # waiting for version 4
+        line.publish(4, 8, seed=4, base=3)
+        thread.join(180)  # it stops once 1, 3 and 4 are scored, with no stop asked for
+    finally:
+        stop.set()
+        thread.join(180)
+    assert count == [3]
+    everything = results(kafka_cfg, 5)
+    got = [e for e in everything if e.suite == "rescored"]
+    assert [e.version for e in got] == [1, 3, 4] and all("sampled/mean@3" in e.metrics for e in got)
+    assert [e.version for e in everything if e.suite == "heldout"] == [0, 3]
+    assert got[1].metrics["greedy/mean"] == everything[1].metrics["greedy/mean"]  # v3 twice: one score
+    assert [json.loads(x)["version"] for x in (tmp_path / "again.jsonl").read_text().splitlines()] == [1, 3, 4]
+
+
+def test_versions_must_be_version_numbers():
+    for bad in ("1,x", "-1", "0;3"):
+        with pytest.raises(ConfigError, match="--versions"):
+            EvalConfig(versions=bad)
+    assert EvalConfig(versions=" 24, 0,12,0").wanted == (0, 12, 24)
+
+
 def test_a_restart_scores_nothing_twice_and_a_version_it_cannot_load_is_skipped(kafka_cfg, tmp_path):
     line = Run(kafka_cfg, tmp_path)
     line.publish(0, 0, seed=0)

@@ -114,6 +114,14 @@ def test_the_first_version_comes_first_then_the_newest_due_one():
     assert due(set(), set(), every=5, first=None) is None
 
 
+def test_versions_asked_for_by_name_come_oldest_first_behind_or_not():
+    assert due(set(range(25)), set(), every=6, first=0, wanted=(0, 12, 24)) == 0
+    assert due(set(range(25)), {0}, every=6, first=0, wanted=(0, 12, 24)) == 12  # not skipped for 24
+    assert due(set(range(25)), {0, 12}, every=6, first=0, wanted=(0, 5, 24)) == 5  # --every does not apply
+    assert due(set(range(10)), {0}, every=6, first=0, wanted=(0, 12)) is None  # 12 not announced yet
+    assert due(set(range(25)), {0, 12, 24}, every=6, first=0, wanted=(0, 12, 24)) is None
+
+
 def test_at_a_stop_the_newest_version_is_scored_unless_it_is():
     assert final({0, 5, 7}, {0, 5}) == 7
     assert final({0, 5}, {0, 5}) is None
