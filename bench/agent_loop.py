@@ -17,6 +17,7 @@ Run: `python bench/agent_loop.py --start runs/warmup/calc-agent-smollm2-… --st
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import random
 import statistics
@@ -76,6 +77,9 @@ class AgentLoopConfig:
     bf16 (`--parallel.critic-mixed-precision`, by default on there)."""
     lag: int = 0
     """Versions the rollouts lag the learner by (the pipeline's staleness; 0: on-policy)."""
+    shuffle_rewards: bool = False
+    """Train each episode on the reward of another episode of its batch (a random permutation): the
+    update's noise without its signal, the null against which a run's drift is judged."""
     seed: int = 0
     threads: int = 2
     update: UpdateConfig = field(default_factory=lambda: UpdateConfig(
@@ -153,6 +157,7 @@ def main(cfg: AgentLoopConfig) -> None:
                             stop_token_ids=Chat(tokenizer).stop_token_ids())
     tasks = training_tasks(env, 10 ** 9, cfg.heldout_frac, cfg.seed + 1)
     seen: dict = {}
+    shuffle = random.Random(cfg.seed)
     snapshots: dict[int, dict[str, torch.Tensor]] = {}
     original = update.advantages
 
@@ -182,6 +187,9 @@ def main(cfg: AgentLoopConfig) -> None:
                         b = collate(trajs)
                         logp, _ = token_logprobs(policy, b, temperature=cfg.update.temperature)
                         ratio = [torch.exp(logp - b.logp_rollout)[i].numpy() for i in range(len(trajs))]
+                if cfg.shuffle_rewards:
+                    shuffled = shuffle.sample([t.reward for t in trajs], len(trajs))
+                    trajs = [dataclasses.replace(t, reward=r) for t, r in zip(trajs, shuffled)]
                 t0 = time.perf_counter()
                 m = update.step(trajs)
                 learn_s = time.perf_counter() - t0

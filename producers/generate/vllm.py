@@ -83,6 +83,15 @@ class VLLMConfig:
     """No CUDA graphs or torch.compile (on CPU compiling costs ~75 s of start-up and buys nothing here)."""
 
 
+def whole_prefills(context: int, max_num_seqs: int) -> dict:
+    """Engine arguments that never split a prompt's prefill across scheduler steps. After a partial
+    prefill vLLM rewinds a seeded request's torch.Generator by its offset, which a CPU generator does
+    not have: "RuntimeError: CPU Generator does not use offset" killed the engine as soon as seeded
+    requests (the evaluator's samples) overfilled one step's budget. Unchunked, a step's budget must
+    hold the longest prompt (and, as vLLM's CPU default of 4,096 does, no more than its requests can use)."""
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(context, min(4096, max_num_seqs * context))}
+
+
 def on_cpu() -> bool:
     import torch
 
@@ -403,7 +412,8 @@ class VLLMGenerator:
             max_model_len=self.context, max_num_seqs=cfg.max_num_seqs, enforce_eager=cfg.enforce_eager,
             load_format="auto" if load else "dummy", skip_tokenizer_init=True,  # token ids in and out
             logprobs_mode="processed_logprobs", generation_config="vllm", enable_prefix_caching=True,
-            worker_extension_cls=f"{__name__}.WorkerExtension", hf_overrides=architecture(config))
+            worker_extension_cls=f"{__name__}.WorkerExtension", hf_overrides=architecture(config),
+            **(whole_prefills(self.context, cfg.max_num_seqs) if cpu else {}))
 
         async def start():
             engine = AsyncLLM.from_engine_args(args)

@@ -134,6 +134,20 @@ def test_sixteen_requests_in_flight_sample_apart_and_a_poisoned_one_fails_alone(
     assert len(generate(gen, PROMPTS[2]).token_ids) == 16  # the engine serves on
 
 
+def test_seeded_requests_beyond_one_steps_prefill_budget_all_finish(engine):
+    # prompts filling several scheduler steps: on CPU a chunked prefill of a seeded request made vLLM
+    # rewind its torch.Generator's offset, which CPU generators lack, and the engine died
+    gen = engine.gen
+
+    async def run():
+        return await asyncio.gather(*[gen.generate([1 + (i + j) % 60 for j in range(200)],
+                                                   SamplingParams(max_tokens=4, seed=i)) for i in range(48)])
+
+    out = asyncio.run(run())
+    assert all(len(o.token_ids) == 4 and np.isfinite(o.logprobs).all() for o in out)
+    assert len(generate(gen, PROMPTS[2]).token_ids) == 16  # the engine serves on
+
+
 def test_the_engines_worker_computes_on_every_core_this_process_may_use(engine):
     # vLLM's own "auto" binding leaves one thread on a 2-vCPU machine (bench/results/vllm_generation_notes.md)
     from vllm.utils.cpu_resource_utils import parse_id_list
