@@ -39,7 +39,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_serv
 from producers.envs import env_factory, env_mixture
 from producers.evaluate.scores import headline
 from producers.evaluate.suite import Suite, figures, per_task
-from producers.evaluate.versions import Versions, due, final
+from producers.evaluate.versions import Versions, due, final, out_of_reach
 from producers.feeder.datasets import load_rows
 from producers.generate.base import SamplingParams
 from schemas.weights.engine import ArchitectureMismatch
@@ -300,10 +300,13 @@ def run(cfg: EvalConfig, stop: threading.Event | None = None) -> int:
         def settled() -> set[int]:
             return set.intersection(*scored.values())
 
-        def evaluate(v: int) -> bool:
-            done = evaluator.evaluate(v, [name for name in suites if v not in scored[name]])
+        def settle(v: int) -> None:
             for versions_scored in scored.values():
                 versions_scored.add(v)
+
+        def evaluate(v: int) -> bool:
+            done = evaluator.evaluate(v, [name for name in suites if v not in scored[name]])
+            settle(v)
             return done
         which = f"versions {','.join(map(str, cfg.wanted))}" if cfg.wanted else f"every {cfg.every} versions"
         log.info("eval %s: %s backend, %s%d samples each, %s; %d scored before", cfg.name, backend,
@@ -313,6 +316,11 @@ def run(cfg: EvalConfig, stop: threading.Event | None = None) -> int:
             if cfg.wanted and set(cfg.wanted) <= settled():
                 break
             versions.poll(0.5)
+            for v in out_of_reach(cfg.wanted, versions.announced, settled()):
+                log.error("version %d not evaluated: older than v%d, the oldest sao.weights still reaches (from its "
+                          "second-newest anchor on)", v, min(versions.announced))
+                metrics.skipped.inc()
+                settle(v)
             if (v := due(versions.announced, settled(), cfg.every, versions.first, cfg.wanted)) is not None:
                 n += evaluate(v)
         if stop.is_set() and cfg.final_on_stop and not cfg.wanted:

@@ -43,6 +43,13 @@ def due(announced: Collection[int], settled: Collection[int], every: int, first:
     return max((v for v in announced if v % every == 0 and v > last), default=None)
 
 
+def out_of_reach(wanted: Collection[int], announced: Collection[int], settled: Collection[int]) -> list[int]:
+    """The `wanted` versions older than every version announced since the second-newest anchor:
+    no chain of anchor and deltas held reaches them, and waiting will not change that."""
+    oldest = min(announced, default=None)
+    return sorted(v for v in wanted if oldest is not None and v < oldest and v not in settled)
+
+
 def final(announced: Collection[int], settled: Collection[int]) -> int | None:
     """The version to evaluate at a clean stop: the newest announced, unless it is settled."""
     newest = max(announced, default=None)

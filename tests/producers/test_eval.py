@@ -117,7 +117,8 @@ def test_versions_named_are_scored_exactly_oldest_first_then_it_stops_unasked(ka
         wait_until(lambda: len(results(kafka_cfg, 4, timeout=2)) >= 4, timeout=120, every=0.5)
         assert thread.is_alive()  # waiting for version 4
         line.publish(4, 8, seed=4, base=3)
-        thread.join(180)  # it stops once 1, 3 and 4 are scored, with no stop asked for
+        thread.join(120)
+        assert not thread.is_alive()  # it stops once 1, 3 and 4 are scored, with no stop asked for
     finally:
         stop.set()
         thread.join(180)
@@ -128,6 +129,22 @@ def test_versions_named_are_scored_exactly_oldest_first_then_it_stops_unasked(ka
     assert [e.version for e in everything if e.suite == "heldout"] == [0, 3]
     assert got[1].metrics["greedy/mean"] == everything[1].metrics["greedy/mean"]  # v3 twice: one score
     assert [json.loads(x)["version"] for x in (tmp_path / "again.jsonl").read_text().splitlines()] == [1, 3, 4]
+
+
+def test_a_version_named_beyond_the_anchors_held_is_skipped_and_the_rest_scored(kafka_cfg, tmp_path):
+    line = Run(kafka_cfg, tmp_path)
+    # anchors at 0, 1 and 64: the evaluator reads the topic's tail back to its second-newest anchor
+    # (here the last 64 announcements), so nothing it holds reaches 0
+    for v in range(65):
+        line.publish(v, v, seed=v % 3, base=-1 if v in (0, 1, 64) else v - 1)
+    stop, thread, count = evaluator(config(kafka_cfg, tmp_path, versions="0,3", samples=0))
+    try:
+        thread.join(120)
+        assert not thread.is_alive()  # 0 is not waited for: it stops after scoring 3
+    finally:
+        stop.set()
+        thread.join(180)
+    assert count == [1] and [e.version for e in results(kafka_cfg, 1)] == [3]
 
 
 def test_versions_must_be_version_numbers():

@@ -13,7 +13,7 @@ from producers.evaluate.scores import (episode_scores, greedy_scores, headline, 
                                       sign_test, task_scores)
 from producers.evaluate.service import EvalConfig
 from producers.evaluate.suite import per_task
-from producers.evaluate.versions import due, final
+from producers.evaluate.versions import due, final, out_of_reach
 from schemas.messages import Trajectory
 
 
@@ -120,6 +120,12 @@ def test_versions_asked_for_by_name_come_oldest_first_behind_or_not():
     assert due(set(range(25)), {0, 12}, every=6, first=0, wanted=(0, 5, 24)) == 5  # --every does not apply
     assert due(set(range(10)), {0}, every=6, first=0, wanted=(0, 12)) is None  # 12 not announced yet
     assert due(set(range(25)), {0, 12, 24}, every=6, first=0, wanted=(0, 12, 24)) is None
+
+
+def test_a_version_named_older_than_every_version_held_is_out_of_reach_not_awaited():
+    assert out_of_reach((0, 3, 30), {2, 3, 4}, set()) == [0]  # 30 may still come
+    assert out_of_reach((0, 3), {2, 3, 4}, {0}) == []
+    assert out_of_reach((0,), set(), set()) == []  # nothing announced yet: nothing to judge by
 
 
 def test_at_a_stop_the_newest_version_is_scored_unless_it_is():
