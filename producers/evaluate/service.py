@@ -74,7 +74,8 @@ class EvalConfig(EpisodeLimits):
     """Score exactly these versions instead, comma-separated (e.g. `0,12,24` of a finished run, under
     another --name), oldest first, waiting for any not yet announced, then stop; --every and
     --final-on-stop do not apply. Reachable: from the second-newest anchor on sao.weights whose file
-    the learner's weight store still keeps. Empty: the run's first, every --every-th, the newest at a stop."""
+    the learner's weight store still keeps (older ones are logged and skipped). Empty: the run's
+    first, every --every-th, the newest at a stop."""
     tasks: int = 16
     """Tasks evaluated: the first this many distinct held-out tasks of the env's generator (seeded
     by --seed), or of --dataset's held-out rows."""
