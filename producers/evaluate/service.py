@@ -5,9 +5,9 @@ where this machine and the model allow it, else transformers), so evaluating nev
 producer's slots. Which versions: the run's first (the policy before training), every multiple of
 `--every`, and on a clean stop (SIGTERM, SIGINT) the newest version announced, so the run's last
 policy has a score (producers/evaluate/versions.py); or exactly `--versions`, then it stops (a
-finished run scored again: `sao broker --data-dir RUN_DIR/kafka` serves its log). Each is loaded exactly and held while its
-episodes play: one greedy episode and `--samples` sampled ones per task, all in flight together,
-and every action token is checked to carry that version.
+finished run scored again: `sao broker --data-dir RUN_DIR/kafka` serves its log). Each is loaded
+exactly and held while its episodes play: one greedy episode and `--samples` sampled ones per task,
+all in flight together, and every action token is checked to carry that version.
 
 The tasks are `--tasks` held-out tasks of `--env` (producers/heldout.py: the share
 `--heldout-frac` of all tasks, by content, which `sao feed` with the same fraction never
