@@ -270,7 +270,8 @@ def run_ours(cfg: PeerConfig, warm: str, side: Side) -> dict:
     return {"side": side, "command": shlex.join(["sao", *cmd[3:]]), "started": before["at"],
             "load_before": before["loadavg"], "load_after": after["loadavg"], "budget_s": cfg.budget_s,
             "stopped_at_s": stopped_at, "wall_s": wall, "exit": proc.returncode,
-            "backend": "vLLM CPU build (producer and evaluator, float32), SAO learner on torch (float32 policy)",
+            "backend": "vLLM CPU build (producer and evaluator, float32), the project's learner on torch (float32 "
+                       f"policy), {'sao' if side == 'ours' else cfg.sync_algorithm}",
             "steps": [{"step": int(s["step/index"]), "seconds": s["time"] - t0, "version": int(s["weights/version"]),
                        "reward": s["reward/mean"], "turns": s.get("episode/turns"),
                        "trajectories": s.get("batch/trajectories")} for s in steps],
