@@ -506,6 +506,12 @@ def reach(points: list[dict], level: float) -> float | None:
     return min(hits) if hits else None
 
 
+def to_target(points: list[dict]) -> tuple[float, float | None]:
+    """The target (the first point's accuracy + TARGET_RISE) and the seconds at which it was reached."""
+    target = points[0]["accuracy"] + TARGET_RISE
+    return target, reach(points, target)
+
+
 def cutoff(r: dict) -> float:
     """When the side's training was due to stop: the end of the step in progress at the budget (its
     first step ending at or after it); points of later weights are shown but not compared."""
@@ -552,11 +558,10 @@ def own_targets(px: list[dict], py: list[dict], nx: str, ny: str) -> list[str]:
     ours' with vLLM, and a greedy reply can differ between the two), this compares the same gain."""
     if px[0]["accuracy"] == py[0]["accuracy"]:
         return []
-    targets = {n: pts[0]["accuracy"] + TARGET_RISE for n, pts in ((nx, px), (ny, py))}
-    hits = {nx: reach(px, targets[nx]), ny: reach(py, targets[ny])}
-    said = "; ".join(f"{n} {targets[n]:.3f} " + ("not reached" if hits[n] is None else f"at {hits[n]:.0f} s")
-                     for n in (nx, ny))
-    ratio = f"; **{ny} ÷ {nx} = {hits[ny] / hits[nx]:.2f}**" if hits[nx] and hits[ny] else ""
+    (target_x, t_x), (target_y, t_y) = to_target(px), to_target(py)
+    said = "; ".join(f"{n} {target:.3f} " + ("not reached" if t is None else f"at {t:.0f} s")
+                     for n, target, t in ((nx, target_x, t_x), (ny, target_y, t_y)))
+    ratio = f"; **{ny} ÷ {nx} = {t_y / t_x:.2f}**" if t_x is not None and t_y is not None else ""
     return [f"The starts differ, so each against its own: start + {TARGET_RISE:g}: {said}{ratio}."]
 
 
@@ -582,8 +587,7 @@ def sync_table(data: dict) -> list[str]:
         pts = compared(r)
         n, rate = throughput(r)
         rates[side] = rate
-        target = pts[0]["accuracy"] + TARGET_RISE
-        hit = reach(pts, target)
+        target, hit = to_target(pts)
         rows.append(f"| {side} | {n} | {'–' if rate is None else f'{rate:.4f}'} | {max(p['update'] for p in pts)} | "
                     f"{pts[0]['accuracy']:.3f} → {max(p['accuracy'] for p in pts):.3f} | {target:.3f} | "
                     f"{'not reached' if hit is None else f'{hit:.0f}'} |")
