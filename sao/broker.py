@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import base64
 import logging
+import random
 import shutil
 import signal
 import socket
 import subprocess
 import tempfile
+import time
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -93,10 +95,28 @@ class BrokerConfig:
                               "(22 characters, as `kafka-storage random-uuid` prints)")
 
 
+def free_ports(n: int = 1) -> int:
+    """The first of `n` consecutive ports on 127.0.0.1 free now, drawn below the kernel's ephemeral
+    range. A port handed out here is bound by a JVM seconds later, and again each time its node
+    restarts; an ephemeral one can be taken in between by any outgoing connection on the machine,
+    and Kafka then exits with "Address already in use"."""
+    try:
+        first_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        first_ephemeral = 32768  # Linux's default
+    while True:
+        first = random.randrange(10000, first_ephemeral - n)
+        try:
+            for port in range(first, first + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)
 
 
 def fetch_jars(cache: Path) -> Path:
@@ -269,11 +289,13 @@ class KafkaNode:
         return self.proc is not None and self.proc.poll() is None
 
     def log_tail(self, lines: int = 15) -> str:
-        """The last lines of this node's console and Kafka logs, headed by their paths."""
+        """The last lines of this node's console and Kafka logs, headed by their paths, without Java's
+        stack frames: a fatal error's trace fills any tail, and its messages (ERROR, Caused by) say why."""
         parts = []
         for name in ("stdout.log", "broker.log"):
             path = self.data_dir / name
-            tail = path.read_text(errors="replace").splitlines()[-lines:] if path.exists() else []
+            text = path.read_text(errors="replace").splitlines() if path.exists() else []
+            tail = [line for line in text if not line.startswith(("\tat ", "\t... "))][-lines:]
             if tail:
                 parts.append(f"--- node {self.id}: {path}\n" + "\n".join(tail))
         return "\n".join(parts) or f"--- node {self.id}: no log in {self.data_dir}"
@@ -372,14 +394,14 @@ class EmbeddedBroker:
 
     def start(self) -> EmbeddedBroker:
         self._launch(self.nodes)
-        try:  # a node alone (--node) is up once it answers; the others may not have started yet
-            wait_for_broker(self.bootstrap, self.cfg.start_timeout, self._settings(), brokers=len(self.nodes))
-        except TimeoutError:
+        # a node alone (--node) is up once it answers; the others may not have started yet
+        why = self._wait_up(self.nodes, self.bootstrap, self.cfg.start_timeout)
+        if why:
             self.stop()
             # the tails, not a path: in a container the data folder is a volume nobody reads
             tails = "\n".join(n.log_tail() for n in self.nodes)
-            raise RuntimeError(f"{self.kind} broker did not answer in {self.cfg.start_timeout:.0f} s "
-                               f"(--start-timeout); its logs end:\n{tails}") from None
+            raise RuntimeError(f"{self.kind} broker {why} (--start-timeout {self.cfg.start_timeout:.0f} s); "
+                               f"its logs end:\n{tails}")
         if self.security and not self.cfg.node:  # a node alone: `sao access` once every node is up
             apply_access(self.admin(), self.access_dir, self.security.ca)
         return self
@@ -397,8 +419,27 @@ class EmbeddedBroker:
 
     def restart(self, i: int, timeout: float = 120.0) -> None:
         """Start node i again on its data and wait until it answers on its own port."""
-        self._launch([self.nodes[i]])
-        wait_for_broker(self.nodes[i].bootstrap, timeout, self._settings())
+        node = self.nodes[i]
+        self._launch([node])
+        why = self._wait_up([node], node.bootstrap, timeout)
+        if why:
+            raise RuntimeError(f"node {node.id} restarted but {why}; its logs end:\n{node.log_tail()}")
+
+    def _wait_up(self, nodes: list[KafkaNode], bootstrap: str, timeout: float) -> str | None:
+        """Wait until `bootstrap` names every one of `nodes`; None once it does, else why not. A node
+        that exits while starting (its port taken, its log folder unusable: Kafka gives up within
+        seconds) ends the wait at once rather than after the whole timeout."""
+        deadline = time.monotonic() + timeout
+        while not (dead := [n for n in nodes if not n.alive()]):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return f"did not answer in {timeout:.0f} s"
+            try:
+                wait_for_broker(bootstrap, min(5.0, left), self._settings(), brokers=len(nodes))
+                return None
+            except TimeoutError:
+                continue
+        return "exited while starting (node, status): " + ", ".join(f"{n.id}, {n.proc.returncode}" for n in dead)
 
     def alive(self) -> bool:
         return all(n.alive() for n in self.nodes)

@@ -1,10 +1,7 @@
-"""Helpers of the tests that run a replicated cluster: a block of free ports, and what a topic's
-replication is."""
+"""Helpers of the tests that run a replicated cluster: what a topic's replication is."""
 
 from __future__ import annotations
 
-import random
-import socket
 import time
 
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
@@ -13,20 +10,6 @@ from confluent_kafka.admin import AdminClient, ConfigResource
 from schemas import topics as T
 from schemas.kafka import KafkaConfig, ensure_topics, make_consumer
 from schemas.retry import retrying
-
-
-def free_ports(n: int) -> int:
-    """The first of `n` consecutive ports on 127.0.0.1 free now (`sao broker --node` derives every
-    node's ports from the first)."""
-    while True:
-        first = random.randrange(20000, 60000)
-        try:
-            for port in range(first, first + n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-            return first
-        except OSError:
-            continue
 
 
 def replication(bootstrap: str) -> dict[str, tuple[int, str]]:

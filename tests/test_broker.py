@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,11 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sao.broker import BrokerConfig, EmbeddedBroker, free_port
+from sao.broker import BrokerConfig, EmbeddedBroker, free_port, free_ports
 from sao.demo import random_trajectory
 from schemas import topics as T
 from schemas.kafka import KafkaConfig, ensure_topics, make_consumer, make_producer, produce, wait_for_broker
-from tests.cluster_util import free_ports, replication
+from tests.cluster_util import replication
 
 
 def _produce(cfg: KafkaConfig, sent: list[bytes]) -> None:
@@ -57,6 +58,29 @@ def test_messages_produced_before_a_restart_are_consumable_after(tmp_path):
         assert sorted(_consume(cfg, "after-restart", len(sent))) == sorted(sent)
     finally:
         broker.close()
+
+
+def test_a_broker_whose_port_is_taken_fails_at_once_with_kafkas_reason(tmp_path):
+    """Kafka exits within seconds when it cannot bind; the start says so then, with the log line
+    that names the port, instead of waiting out --start-timeout on a process that is gone."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", free_port()))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(RuntimeError) as e:
+            EmbeddedBroker(BrokerConfig(port=port, data_dir=tmp_path / "b", start_timeout=600)).start()
+    assert "exited while starting (node, status): 1, 1" in str(e.value), str(e.value)[-2000:]
+    assert f"failed to bind to 127.0.0.1:{port}: Address already in use" in str(e.value), str(e.value)[-2000:]
+
+
+def test_free_ports_are_below_the_ephemeral_range_so_no_outgoing_connection_takes_them():
+    first_ephemeral = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    for _ in range(20):
+        first = free_ports(6)
+        assert 10000 <= first and first + 6 <= first_ephemeral
+        for port in range(first, first + 6):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port))
 
 
 def test_sao_broker_command_serves_and_stops_on_sigterm(tmp_path):
@@ -136,5 +160,5 @@ def test_a_node_that_never_gets_a_quorum_fails_with_its_logs(tmp_path):
     finally:
         proc.kill()
     assert proc.returncode != 0
-    assert "did not answer in 20 s (--start-timeout)" in out, out[-2000:]
+    assert "did not answer in 20 s (--start-timeout 20 s)" in out, out[-2000:]
     assert f"--- node 2: {tmp_path / 'n2' / 'broker.log'}" in out, out[-2000:]

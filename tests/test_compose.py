@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sao.broker import free_port
+from sao.broker import free_port, free_ports
 from schemas import topics as T
 from schemas.signing import load_trusted, refusal
 
@@ -399,7 +399,7 @@ def test_cluster_override_replicates_every_topic_and_loses_nothing_to_a_node_sig
     it) and `sao audit`, run in the learner's container, accounts for every prompt; then the stack is
     taken down without -v and brought up again: the learner resumes from its checkpoint on the same
     volumes and the audit still accounts for every prompt, nothing trained twice."""
-    from tests.cluster_util import free_ports, replication
+    from tests.cluster_util import replication
 
     t0 = time.monotonic()
     build = subprocess.run([sys.executable, str(ROOT / "docker" / "build.py"), "--tag", IMAGE, "-q"],
