@@ -26,7 +26,11 @@ def engine_processes(root: int) -> list[int]:
     while todo:
         pid = todo.pop()
         children = []
-        for task in Path(f"/proc/{pid}/task").glob("*/children"):  # per thread: whichever spawned it
+        try:  # per thread: whichever spawned it
+            tasks = list(Path(f"/proc/{pid}/task").glob("*/children"))
+        except OSError:  # it exited after its parent listed it: nothing below it any more
+            tasks = []
+        for task in tasks:
             try:
                 children += task.read_text().split()
             except OSError:

@@ -66,3 +66,21 @@ def test_engine_processes_that_outlive_a_shutdown_are_reaped_after_their_grace()
     finally:
         for p in (quits, stuck, other):
             p.kill()
+
+
+
+def test_processes_that_exit_while_the_tree_is_read_are_no_error():
+    """A child listed by its parent may exit before its own threads are read (an engine's helpers
+    come and go); the watchdog died of that once during a `sao eval`, leaving its engines unguarded.
+    A shell starting a process after another keeps such a window open all the time: unmended, the
+    walk raised FileNotFoundError within a second here."""
+    churn = subprocess.Popen(["bash", "-c", "while :; do /bin/true; done"])
+    try:
+        deadline, walks = time.monotonic() + 5, 0
+        while time.monotonic() < deadline:
+            assert watchdog.engine_processes(os.getpid()) == []
+            walks += 1
+        assert walks > 100  # the race was given its chance
+    finally:
+        churn.kill()
+        churn.wait(10)
