@@ -68,7 +68,6 @@ def test_engine_processes_that_outlive_a_shutdown_are_reaped_after_their_grace()
             p.kill()
 
 
-
 def test_processes_that_exit_while_the_tree_is_read_are_no_error():
     """A child listed by its parent may exit before its own threads are read (an engine's helpers
     come and go); the watchdog died of that once during a `sao eval`, leaving its engines unguarded.
