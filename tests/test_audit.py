@@ -16,6 +16,7 @@ from sao.audit import AuditConfig, audit
 from schemas import topics as T
 from schemas.kafka import KafkaConfig, make_consumer
 from schemas.messages import Prompt
+from schemas.progress import learner_lag
 from tests.consumers.util import REPO, Service, publish, wait_until
 from tests.learner.service_util import rollouts
 
@@ -76,14 +77,18 @@ def test_audit_accounts_for_a_real_run_and_flags_a_lost_prompt_and_a_repeat_trai
     p = next(p for p, m in _prompts_by_partition(kafka_cfg).items() if lost.trajectory_id in m)
     _commit_past(kafka_cfg, "sao-producers", kafka_cfg.topic(T.PROMPTS), p)
     # a learner that remembers 4 ids, at max-staleness 2: the 8 left over (version 0) go stale, 4
-    # fresh rollouts train, and then 4 more carrying ids trained at step 0 train a second time
+    # fresh rollouts train, and then 4 more carrying ids trained at step 0 train a second time.
+    # Fresh ones are published once the learner has read all 8 (its progress group's lag is 0), so
+    # that none can be polled ahead of a leftover from another partition and close a step first.
     lines = lambda: [json.loads(x) for x in (tmp_path / "learner" / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
     steps = lines()
     version = steps[-1]["weights/version"]
     fresh, repeats = (rollouts(STEP, seed=seed, id_prefix=name, version=version) for seed, name in ((3, "fresh"), (4, "again")))
     for traj, tid in zip(repeats, steps[0]["trajectory_ids"]):
         traj.id = tid
+    assert learner_lag(kafka_cfg).count() == FEED - 3 * STEP
     second = _learner(kafka_cfg, tmp_path, "--max-steps", "5", "--dedup-window", "4", "--max-staleness", "2")
+    wait_until(lambda: learner_lag(kafka_cfg).count() == 0, timeout=240, every=0.5)
     publish(kafka_cfg, T.TRAJECTORIES, fresh)
     wait_until(lambda: len(lines()) > 3 or second.p.poll() is not None, timeout=240, every=0.5)
     publish(kafka_cfg, T.TRAJECTORIES, repeats)  # the ledger holds step 3's ids alone by now
@@ -97,8 +102,8 @@ def test_audit_accounts_for_a_real_run_and_flags_a_lost_prompt_and_a_repeat_trai
     result = audit(AuditConfig(run_dir=tmp_path / "learner", kafka=kafka_cfg))
     trajectories = result.sections[2]
     assert sorted(result.trained_twice) == sorted(steps[0]["trajectory_ids"])
-    assert trajectories.rows["trained"] == 4 * STEP and not trajectories.unexplained
-    assert trajectories.rows["dropped as stale"] == FEED - 3 * STEP
+    assert trajectories.rows["trained"] == 4 * STEP and not trajectories.unexplained, flagged.stdout
+    assert trajectories.rows["dropped as stale"] == FEED - 3 * STEP, flagged.stdout
     assert result.duplicates == STEP
 
 
