@@ -44,12 +44,13 @@ class Pipeline:
         self.kafka, self.run = kafka, run
         tiny, quiet = ("--model", "tiny-llama-bytes"), {"SAO_LOG_LEVEL": "WARNING"}
         group = ("--group", f"{kafka.topic_prefix}-producers")
+        # producers at INFO: a stalled one's last lines name the prompts it took ("episode start")
         self.procs = {
             "reward-join": Service(kafka, "reward-join", "--data-dir", str(run / "joiner")),
             "judge": Service(kafka, "judge", *tiny, "--criteria", "lowercase", env=quiet),
             **{f"producer-{i}": Service(kafka, "producer", "--env", "writing", *tiny, "--max-tokens", "24",
                                         "--concurrency", "2", "--no-follow-weights", "--producer-id", f"p{i}",
-                                        *group, env=quiet)
+                                        *group, env={"SAO_LOG_LEVEL": "INFO"})
                for i in range(2)},
             "learner": Service(kafka, "learner", "--model.name", "tiny-llama", "--model.vocab-size", "260",
                                "--batch-trajectories", str(STEP), "--max-steps", str(STEPS), "--max-staleness", "-1",
@@ -75,9 +76,16 @@ class Pipeline:
         try:
             wait_until(lambda: len(self.steps()) >= n or self.failed(), timeout=timeout, every=0.5)
         except TimeoutError:
-            pytest.fail(f"{len(self.steps())} of {n} steps in {timeout} s; the services' last lines: "
-                        f"{ {name: s.log(8) for name, s in self.procs.items()} }")
+            pytest.fail(f"{len(self.steps())} of {n} steps in {timeout} s; where every id is:\n{self.accounts()}\n"
+                        f"the services' last lines: { {name: s.log(8) for name, s in self.procs.items()} }")
         assert not self.failed(), self.failed()
+
+    def accounts(self) -> str:
+        """`sao audit`'s table of the run so far: which stage holds the ids a stalled run lacks."""
+        try:
+            return audit(AuditConfig(run_dir=self.run / "learner", kafka=self.kafka)).table()
+        except Exception as e:  # the diagnosis must not hide the failure it explains
+            return f"(no audit: {e!r})"
 
     def finish(self) -> None:
         """The learner done at --max-steps, the feeder at --count, the others alive until their
