@@ -12,8 +12,11 @@ twice yields the same trajectory id, which the learner drops).
 from __future__ import annotations
 
 import logging
+import threading
 
 from confluent_kafka import KafkaException, TopicPartition
+
+from schemas.progress import GroupLag
 
 log = logging.getLogger(__name__)
 
@@ -105,3 +108,85 @@ class OffsetCommitter:
             self.taken.forget(p)
             self.positions.pop(p, None)
             self.refused.discard(p)
+
+
+class StalledFetches:
+    """Restarts prompt partitions the Kafka client has stopped fetching.
+
+    librdkafka can leave an assigned partition unfetched for good, with no error and no log line: a
+    pause or resume that races the fetch start of a fresh assignment makes that start outdated, and
+    it is dropped (confluentinc/librdkafka#2190 and #5591, both open). A rebalance after a broker
+    restart, with every slot filling at once, is such a race. That partition's prompts would then
+    never be played, and a feeder holding new prompts until those finish would stall the run.
+
+    So the service reports, as it loops, whether it has a free slot. A partition whose position has
+    not moved for `stall_s` seconds of free slots (with a free slot, a fetched prompt is taken within
+    one poll) while the broker holds prompts past it is resumed and sought to the next prompt it
+    owes: its position, or its committed offset when it has read nothing since it was assigned (the
+    maintainer's workaround for #2190). What the broker holds (`lag`: the group's commits and the
+    watermarks) is read by a daemon thread, so the service's loop never waits on the broker."""
+
+    def __init__(self, consumer, lag: GroupLag, stall_s: float):
+        self.consumer, self.lag, self.stall_s = consumer, lag, stall_s
+        self.free_s = 0.0  # seconds with a free slot, summed over the service's life
+        self.last: float | None = None  # when the last tick came
+        self.next_check_s = stall_s
+        self.moved: dict[int, tuple[int, float]] = {}  # partition -> (position, free_s when it last moved)
+        self.waiting: dict[int, tuple[int, int]] = {}  # partition -> (first offset not delivered, end), at the last read
+        self.restarted = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._read, name="stalled-fetches", daemon=True)
+        if stall_s:
+            self._thread.start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                marks, committed = self.lag.watermarks(), {tp.partition: tp.offset for tp in self.lag.committed()}
+                self.waiting = {p: (committed[p] if committed.get(p, -1) >= 0 else low, high)
+                             for p, (low, high) in marks.items()}
+            except KafkaException as e:  # a broker away: keep the last reading
+                log.debug("prompts partitions' offsets unknown (%s)", e.args[0])
+            if self._stop.wait(self.stall_s / 4):
+                return
+
+    def tick(self, free: bool, now: float) -> None:
+        """Called on every pass of the service's loop; checks every `stall_s` / 4 seconds of free slots."""
+        if self.last is not None and free:
+            self.free_s += now - self.last
+        self.last = now
+        if self.stall_s and self.free_s >= self.next_check_s:
+            self.next_check_s = self.free_s + self.stall_s / 4
+            self.check()
+
+    def check(self) -> list[int]:
+        """Restart the stalled partitions; returns them."""
+        assigned = [tp for tp in self.consumer.assignment() if tp.topic == self.lag.topic]
+        self.moved = {p: v for p, v in self.moved.items() if p in {tp.partition for tp in assigned}}
+        restarted = []
+        for tp in self.consumer.position(assigned):
+            position, since = self.moved.get(tp.partition, (None, self.free_s))
+            if tp.offset != position:
+                self.moved[tp.partition] = (tp.offset, self.free_s)
+                continue
+            owed, end = self.waiting.get(tp.partition, (0, 0))
+            owed = tp.offset if tp.offset >= 0 else owed
+            if self.free_s - since < self.stall_s or end <= owed:
+                continue
+            log.warning("prompts partition %d not read for %.0f s with free slots and %d prompts waiting; "
+                        "restarting its fetch at offset %d", tp.partition, self.free_s - since, end - owed, owed)
+            self.moved[tp.partition] = (tp.offset, self.free_s)  # not again for stall_s
+            try:
+                self.consumer.resume([tp])
+                self.consumer.seek(TopicPartition(tp.topic, tp.partition, owed))
+                restarted.append(tp.partition)
+            except KafkaException as e:  # e.g. revoked meanwhile: the next check sees the new assignment
+                log.warning("restarting prompts partition %d failed (%s)", tp.partition, e.args[0])
+        self.restarted += len(restarted)
+        return restarted
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(30)
+        self.lag.close()

@@ -54,7 +54,7 @@ from producers.generate.base import Generator, SamplingParams
 from producers.generate.sim import SimConfig
 from producers.generate.vllm import VLLMConfig
 from producers.metrics import ProducerMetrics
-from producers.offsets import OffsetCommitter
+from producers.offsets import OffsetCommitter, StalledFetches
 from producers.sandbox import Sandbox, SandboxConfig
 from producers.scoring import scorer
 from schemas import topics as T
@@ -67,7 +67,7 @@ from schemas.config import ConfigError
 from schemas.messages import DEFAULT_LIMITS, Prompt, SchemaError, Trajectory
 from schemas.models import FROM_LEARNER, check_model
 from schemas.process import stop_on_signals
-from schemas.progress import Backpressure
+from schemas.progress import Backpressure, GroupLag
 from schemas.retry import transient
 
 log = logging.getLogger(__name__)
@@ -141,6 +141,10 @@ class ProducerConfig(ServiceConfig, EpisodeLimits):
     drain_s: float = 10.0
     """On SIGTERM, seconds the episodes in flight get to finish and be delivered; the rest are
     abandoned unpublished and their prompts redelivered to another producer."""
+    fetch_stall_s: float = 30.0
+    """Seconds with a free episode slot that an assigned prompts partition may go unread while
+    prompts wait on it before its fetch is restarted (the Kafka client can leave a partition
+    unfetched after a rebalance: producers/offsets.py StalledFetches); 0: never check."""
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     sim: SimConfig = field(default_factory=SimConfig)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
@@ -151,8 +155,8 @@ class ProducerConfig(ServiceConfig, EpisodeLimits):
             env_factory(name)  # an unknown name or a plug-in that does not import fails here
         if self.concurrency < 1:
             raise ConfigError(f"--concurrency {self.concurrency}: must be >= 1")
-        if not self.env_step_timeout > 0 or self.drain_s < 0 or self.max_lag < 0:
-            raise ConfigError("--env-step-timeout must be > 0, --drain-s >= 0 and --max-lag >= 0")
+        if not self.env_step_timeout > 0 or min(self.drain_s, self.max_lag, self.fetch_stall_s) < 0:
+            raise ConfigError("--env-step-timeout must be > 0, --drain-s, --max-lag and --fetch-stall-s >= 0")
         if self.backend in ("hf", "vllm", "auto"):  # the other backends name a model their server knows
             check_model(self.model, from_learner=True)
         if self.model == FROM_LEARNER and not (self.backend in ("hf", "vllm", "auto") and self.follow_weights):
@@ -359,6 +363,7 @@ class Service:
         self.topics = {True: cfg.kafka.topic(T.TRAJECTORIES), False: cfg.kafka.topic(T.PENDING)}
         self.reward_bounds = Bounds(plugin=f"--reward {cfg.reward}", timeout_s=cfg.env_step_timeout)
         self.backpressure = Backpressure(cfg.kafka, cfg.max_lag) if cfg.max_lag else None
+        self.stalls = StalledFetches(self.consumer, GroupLag(cfg.kafka, T.PROMPTS, cfg.group), cfg.fetch_stall_s)
 
     async def run(self) -> int:
         """Returns the number of prompts taken."""
@@ -389,6 +394,7 @@ class Service:
         self.offsets.commit(list(self.offsets.positions))
         if self.backpressure is not None:
             self.backpressure.close()
+        self.stalls.close()
         return taken
 
     def _next(self):
@@ -399,6 +405,7 @@ class Service:
         if full != self.paused and (assigned := self.consumer.assignment()):
             (self.consumer.pause if full else self.consumer.resume)(assigned)
             self.paused = full
+        self.stalls.tick(free=not full, now=time.monotonic())
         if self.held and not full:
             return self.held.pop(0)
         msg = self.consumer.poll(0)
