@@ -189,4 +189,5 @@ class StalledFetches:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(30)
-        self.lag.close()
+        if not self._thread.is_alive():  # else it still waits on a broker that is away: the exit ends it
+            self.lag.close()
