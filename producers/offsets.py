@@ -130,7 +130,7 @@ class StalledFetches:
         self.consumer, self.lag, self.stall_s = consumer, lag, stall_s
         self.free_s = 0.0  # seconds with a free slot, summed over the service's life
         self.last: float | None = None  # when the last tick came
-        self.next_check_s = stall_s
+        self.next_check_s = 0.0
         self.moved: dict[int, tuple[int, float]] = {}  # partition -> (position, free_s when it last moved)
         self.waiting: dict[int, tuple[int, int]] = {}  # partition -> (first offset not delivered, end), at the last read
         self.restarted = 0
