@@ -144,7 +144,7 @@ class StalledFetches:
             try:
                 marks, committed = self.lag.watermarks(), {tp.partition: tp.offset for tp in self.lag.committed()}
                 self.waiting = {p: (committed[p] if committed.get(p, -1) >= 0 else low, high)
-                             for p, (low, high) in marks.items()}
+                                for p, (low, high) in marks.items()}
             except KafkaException as e:  # a broker away: keep the last reading
                 log.debug("prompts partitions' offsets unknown (%s)", e.args[0])
             if self._stop.wait(self.stall_s / 4):
