@@ -132,19 +132,16 @@ class StalledFetches:
         self.last: float | None = None  # when the last tick came
         self.next_check_s = 0.0
         self.moved: dict[int, tuple[int, float]] = {}  # partition -> (position, free_s when it last moved)
-        self.waiting: dict[int, tuple[int, int]] = {}  # partition -> (first offset not delivered, end), at the last read
+        self.waiting: dict[int, tuple[int, int]] = {}  # partition -> (first offset past the commit, end), at the last read
         self.restarted = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._read, name="stalled-fetches", daemon=True)
-        if stall_s:
-            self._thread.start()
+        self._thread.start()
 
     def _read(self) -> None:
         while True:
             try:
-                marks, committed = self.lag.watermarks(), {tp.partition: tp.offset for tp in self.lag.committed()}
-                self.waiting = {p: (committed[p] if committed.get(p, -1) >= 0 else low, high)
-                                for p, (low, high) in marks.items()}
+                self.waiting = self.lag.unread()
             except KafkaException as e:  # a broker away: keep the last reading
                 log.debug("prompts partitions' offsets unknown (%s)", e.args[0])
             if self._stop.wait(self.stall_s / 4):
@@ -155,15 +152,15 @@ class StalledFetches:
         if self.last is not None and free:
             self.free_s += now - self.last
         self.last = now
-        if self.stall_s and self.free_s >= self.next_check_s:
+        if self.free_s >= self.next_check_s:
             self.next_check_s = self.free_s + self.stall_s / 4
             self.check()
 
-    def check(self) -> list[int]:
-        """Restart the stalled partitions; returns them."""
+    def check(self) -> None:
+        """Restart the stalled partitions."""
         assigned = [tp for tp in self.consumer.assignment() if tp.topic == self.lag.topic]
-        self.moved = {p: v for p, v in self.moved.items() if p in {tp.partition for tp in assigned}}
-        restarted = []
+        partitions = {tp.partition for tp in assigned}
+        self.moved = {p: v for p, v in self.moved.items() if p in partitions}
         for tp in self.consumer.position(assigned):
             position, since = self.moved.get(tp.partition, (None, self.free_s))
             if tp.offset != position:
@@ -179,11 +176,9 @@ class StalledFetches:
             try:
                 self.consumer.resume([tp])
                 self.consumer.seek(TopicPartition(tp.topic, tp.partition, owed))
-                restarted.append(tp.partition)
+                self.restarted += 1
             except KafkaException as e:  # e.g. revoked meanwhile: the next check sees the new assignment
                 log.warning("restarting prompts partition %d failed (%s)", tp.partition, e.args[0])
-        self.restarted += len(restarted)
-        return restarted
 
     def close(self) -> None:
         self._stop.set()

@@ -363,7 +363,8 @@ class Service:
         self.topics = {True: cfg.kafka.topic(T.TRAJECTORIES), False: cfg.kafka.topic(T.PENDING)}
         self.reward_bounds = Bounds(plugin=f"--reward {cfg.reward}", timeout_s=cfg.env_step_timeout)
         self.backpressure = Backpressure(cfg.kafka, cfg.max_lag) if cfg.max_lag else None
-        self.stalls = StalledFetches(self.consumer, GroupLag(cfg.kafka, T.PROMPTS, cfg.group), cfg.fetch_stall_s)
+        self.stalls = (StalledFetches(self.consumer, GroupLag(cfg.kafka, T.PROMPTS, cfg.group), cfg.fetch_stall_s)
+                       if cfg.fetch_stall_s else None)
 
     async def run(self) -> int:
         """Returns the number of prompts taken."""
@@ -394,7 +395,8 @@ class Service:
         self.offsets.commit(list(self.offsets.positions))
         if self.backpressure is not None:
             self.backpressure.close()
-        self.stalls.close()
+        if self.stalls is not None:
+            self.stalls.close()
         return taken
 
     def _next(self):
@@ -405,7 +407,8 @@ class Service:
         if full != self.paused and (assigned := self.consumer.assignment()):
             (self.consumer.pause if full else self.consumer.resume)(assigned)
             self.paused = full
-        self.stalls.tick(free=not full, now=time.monotonic())
+        if self.stalls is not None:
+            self.stalls.tick(free=not full, now=time.monotonic())
         if self.held and not full:
             return self.held.pop(0)
         msg = self.consumer.poll(0)

@@ -33,10 +33,17 @@ def progress_group(kafka: KafkaConfig) -> str:
     return f"{kafka.topic_prefix}-learner-progress"
 
 
+def unread_ranges(high: Mapping[int, int], low: Mapping[int, int],
+                  committed: Mapping[int, int]) -> dict[int, tuple[int, int]]:
+    """(first offset past the group's commit, high watermark) of each partition; a partition the
+    group never committed (a negative offset), or whose commit retention deleted, from its low
+    watermark."""
+    return {p: (max(committed.get(p, -1), low.get(p, 0)), h) for p, h in high.items()}
+
+
 def unfinished(high: Mapping[int, int], low: Mapping[int, int], committed: Mapping[int, int]) -> int:
-    """Messages past the group's commits, over partitions; a negative committed offset means the
-    group never committed there."""
-    return sum(h - max(committed.get(p, -1), low.get(p, 0)) for p, h in high.items())
+    """Messages past the group's commits, over partitions."""
+    return sum(h - start for start, h in unread_ranges(high, low, committed).values())
 
 
 class GroupLag:
@@ -56,11 +63,18 @@ class GroupLag:
     def committed(self) -> list[TopicPartition]:
         return retrying(lambda: self.consumer.committed(self.tps, timeout=10))
 
-    def count(self) -> int:
+    def _offsets(self) -> tuple[dict[int, int], dict[int, int], dict[int, int]]:
+        """(high, low, committed) of every partition."""
         marks = self.watermarks()
         committed = {tp.partition: tp.offset for tp in self.committed()}
-        return unfinished({p: h for p, (_, h) in marks.items()}, {p: lo for p, (lo, _) in marks.items()},
-                          committed)
+        return {p: h for p, (_, h) in marks.items()}, {p: lo for p, (lo, _) in marks.items()}, committed
+
+    def count(self) -> int:
+        return unfinished(*self._offsets())
+
+    def unread(self) -> dict[int, tuple[int, int]]:
+        """(first offset past the group's commit, high watermark) of every partition."""
+        return unread_ranges(*self._offsets())
 
     def close(self) -> None:
         self.consumer.close()
